@@ -198,19 +198,26 @@ class Variant:
 
     # -- matrix view -----------------------------------------------------------------
     def _mean(self, rt, name):
-        return rt.fmt("mean_batch", name) if rt.is_batched[name] else name
+        """The batch mean of a result; one sequence needs no reduction pass (mean = entry 0)."""
+        if not rt.is_batched[name]:
+            return name
+        return f"({name}[0] if n_batch == 1 else {rt.fmt('mean_batch', name)})"
 
     def hvp(self, part):
         dirs = list(self.d.hvp_directions().values())
         rt = self.routine(dirs)
-        outs = [self._mean(rt, rt.mat(e)) for e in self.d.hvp_expressions(part).values()]
+        exprs = list(self.d.hvp_expressions(part).values())
+        rt.plan(exprs)                # products shared between the parameters' rows
+        outs = [self._mean(rt, rt.mat(e)) for e in exprs]
         return self.function(f"hvp__{part}", rt, "(" + ", ".join(outs) + ",)",
                              f"(Σ_q H_{part}(p, q) V_q for p in the parameters): matrix view, no block.",
                              extra=dirs)
 
     def gradient(self):
         rt = self.routine()
-        outs = [self._mean(rt, rt.mat(self.d.gradient(p))) for p in self.d.layer.param_names]
+        exprs = [self.d.gradient(p) for p in self.d.layer.param_names]
+        rt.plan(exprs)
+        outs = [self._mean(rt, rt.mat(e)) for e in exprs]
         return self.function("gradient", rt, "(" + ", ".join(outs) + ",)",
                              "(∂ℓ/∂W_p for p in the parameters), batch mean.")
 

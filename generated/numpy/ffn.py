@@ -27,13 +27,12 @@ def mse_bias0_residual0__loss(X, W_1, W_2, Y):
     t0 = X @ W_1
     t1 = (t0 * np.heaviside(t0, 0.0))
     t2 = t1 @ W_2
-    t3 = -Y
-    t4 = t2 + t3
-    t5 = t4 * t4
-    t6 = t5.sum(-1, keepdims=True)
-    t7 = t6.sum(-2, keepdims=True)
-    t8 = (1/(L*d_V)) * t7
-    return t8.mean(0)[0, 0]
+    t3 = t2 - Y
+    t4 = t3 * t3
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = t5.sum(-2, keepdims=True)
+    t7 = (1/(L*d_V)) * t6
+    return (t7[0] if n_batch == 1 else t7.mean(0))[0, 0]
 
 
 def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
@@ -48,19 +47,17 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = np.swapaxes(W_2, -1, -2)
-    t9 = G @ t8
-    t10 = t2 * t9
-    t11 = t0 @ t10
-    t12 = np.swapaxes(W_1, -1, -2)
-    t13 = t12 @ t0
-    t14 = (t13 * np.heaviside(t13, 0.0))
-    t15 = t14 @ G
-    return (t11.mean(0), t15.mean(0),)
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = np.swapaxes(W_2, -1, -2)
+    t8 = G @ t7
+    t9 = t2 * t8
+    t10 = t0 @ t9
+    t11 = np.swapaxes(t1, -1, -2)
+    t12 = np.swapaxes(t3, -1, -2)
+    t13 = t12 @ G
+    return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
 
 
 def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
@@ -85,19 +82,18 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t12 = np.reshape(t11, (d_ff, d_V, d_V, d_ff), copy=False)
-    t13 = np.swapaxes(W_1, -1, -2)
-    t14 = t13 @ t2
-    t15 = (t14 * np.heaviside(t14, 0.0))
-    t16 = (2/(L*d_V*n_batch)) * t15
-    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t16, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t17 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t17[...] = 0
-    t18 = np.reshape(t17, (d_ff, d_V, d_ff, d_V), copy=False)
-    t19 = np.einsum('abcb->abc', t18)
-    t20 = t15 @ t10
-    t21 = np.ones((d_V,), dtype=X.dtype)
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t19 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t10, -1, -2)
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t15, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t16 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t16[...] = 0
+    t17 = np.reshape(t16, (d_ff, d_V, d_ff, d_V), copy=False)
+    t18 = np.einsum('abcb->abc', t17)
+    t19 = t14 @ t10
+    t20 = np.ones((d_V,), dtype=X.dtype)
+    t21 = (2/(L*d_V*n_batch)) * t20
+    t18 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
     return H
 
 
@@ -112,21 +108,19 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = t3 @ V_W_2
-    t5 = (2/(L*d_V)) * t4
-    t6 = X @ V_W_1
-    t7 = t2 * t6
-    t8 = t7 @ W_2
+    t5 = X @ V_W_1
+    t6 = t2 * t5
+    t7 = t6 @ W_2
+    t8 = t4 + t7
     t9 = (2/(L*d_V)) * t8
-    t10 = t5 + t9
-    t11 = np.swapaxes(W_2, -1, -2)
-    t12 = t10 @ t11
-    t13 = t2 * t12
-    t14 = t0 @ t13
-    t15 = np.swapaxes(W_1, -1, -2)
-    t16 = t15 @ t0
-    t17 = (t16 * np.heaviside(t16, 0.0))
-    t18 = t17 @ t10
-    return (t14.mean(0), t18.mean(0),)
+    t10 = np.swapaxes(W_2, -1, -2)
+    t11 = t9 @ t10
+    t12 = t2 * t11
+    t13 = t0 @ t12
+    t14 = np.swapaxes(t1, -1, -2)
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = t15 @ t9
+    return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
@@ -145,15 +139,14 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t7 = (t1 * np.heaviside(t1, 0.0))
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t9 = np.sqrt(np.maximum(t8, 0.0))
-    t10 = np.swapaxes(W_1, -1, -2)
-    t11 = t10 @ t0
-    t12 = (t11 * np.heaviside(t11, 0.0))
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t12, t3, t2, X, t12, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    t15 = t12 @ t7
-    t16 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return (t6, t9, t14, t17,)
+    t10 = np.swapaxes(t1, -1, -2)
+    t11 = np.swapaxes(t7, -1, -2)
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t11, t3, t2, X, t11, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    t14 = t11 @ t7
+    t15 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return (t6, t9, t13, t16,)
 
 
 def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -266,8 +259,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t2 = np.swapaxes(X, -1, -2)
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
-    t5 = X @ W_1
-    t6 = (t5 * np.heaviside(t5, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
+    t6 = np.swapaxes(t4, -1, -2)
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -285,8 +278,8 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = X @ W_1
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -304,10 +297,11 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(W_2, -1, -2)
-    t6 = X @ W_1
-    t7 = np.heaviside(t6, 0.0)
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t6 = np.swapaxes(t3, -1, -2)
+    t7 = np.heaviside(t3, 0.0)
+    t8 = np.swapaxes(t7, -1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -322,11 +316,12 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
-    t5 = X @ W_1
-    t6 = np.heaviside(t5, 0.0)
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    return t8
+    t5 = np.swapaxes(t2, -1, -2)
+    t6 = np.heaviside(t2, 0.0)
+    t7 = np.swapaxes(t6, -1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = np.sqrt(np.maximum(t8, 0.0))
+    return t9
 
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -343,8 +338,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = (t4 * np.heaviside(t4, 0.0))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t4, -1, -2)
+    t7 = np.swapaxes(t5, -1, -2)
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -362,8 +357,8 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = X @ W_1
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = np.sqrt(np.maximum(t7, 0.0))
@@ -389,26 +384,24 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t7 = (t5 * np.heaviside(t5, 0.0))
     t8 = t7 @ W_2
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/n_batch) * t4
-    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t14 = oe.contract('abc,acd->bdac', t12, t6, optimize=[(0, 1)])
-    t3 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t15[...] = 0
-    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
-    t17 = np.einsum('abca->abc', t16)
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = np.swapaxes(W_1, -1, -2)
-    t20 = t19 @ t4
-    t21 = np.heaviside(t20, 0.0)
-    t22 = (1/n_batch) * t18
-    t17 += oe.contract('abc,adc,ace->dbe', t22, t21, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (1/n_batch) * t4
+    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t13 = oe.contract('abc,acd->bdac', t11, t6, optimize=[(0, 1)])
+    t3 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
+    t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t14[...] = 0
+    t15 = np.reshape(t14, (d_ff, d_V, d_V, d_ff), copy=False)
+    t16 = np.einsum('abca->abc', t15)
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = np.swapaxes(t6, -1, -2)
+    t20 = (1/n_batch) * t17
+    t16 += oe.contract('abc,adc,ace->dbe', t20, t19, X, optimize=[(0, 1), (0, 1)])
+    t21 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21[...] = 0
     return H
 
 
@@ -424,22 +417,20 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = np.swapaxes(V_W_2, -1, -2)
-    t9 = G @ t8
-    t10 = t2 * t9
-    t11 = t0 @ t10
-    t12 = np.swapaxes(W_1, -1, -2)
-    t13 = t12 @ t0
-    t14 = np.heaviside(t13, 0.0)
-    t15 = np.swapaxes(V_W_1, -1, -2)
-    t16 = t15 @ t0
-    t17 = t14 * t16
-    t18 = t17 @ G
-    return (t11.mean(0), t18.mean(0),)
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = np.swapaxes(V_W_2, -1, -2)
+    t8 = G @ t7
+    t9 = t2 * t8
+    t10 = t0 @ t9
+    t11 = np.swapaxes(t1, -1, -2)
+    t12 = np.swapaxes(t2, -1, -2)
+    t13 = np.swapaxes(V_W_1, -1, -2)
+    t14 = t13 @ t0
+    t15 = t12 * t14
+    t16 = t15 @ G
+    return ((t10[0] if n_batch == 1 else t10.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
@@ -454,19 +445,17 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    t10 = np.swapaxes(G, -1, -2)
-    t11 = np.swapaxes(W_1, -1, -2)
-    t12 = t11 @ t0
-    t13 = np.heaviside(t12, 0.0)
-    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t10, t13, X, t10, t13, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return (0.0, t9, t15, 0.0,)
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = np.sqrt(np.maximum(t7, 0.0))
+    t9 = np.swapaxes(G, -1, -2)
+    t10 = np.swapaxes(t1, -1, -2)
+    t11 = np.swapaxes(t2, -1, -2)
+    t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return (0.0, t8, t13, 0.0,)
 
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -525,14 +514,13 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t5 = (t3 * np.heaviside(t3, 0.0))
     t6 = t5 @ W_2
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = (1/n_batch) * t2
-    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t12 = oe.contract('abc,acd->bdac', t10, t4, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t11, t12, optimize=[(0, 1)])
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = (1/n_batch) * t2
+    t10 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t11 = oe.contract('abc,acd->bdac', t9, t4, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -548,13 +536,12 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = np.sqrt(np.maximum(t7, 0.0))
+    return t8
 
 
 def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -591,17 +578,15 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = np.swapaxes(G, -1, -2)
-    t9 = np.swapaxes(W_1, -1, -2)
-    t10 = np.swapaxes(X, -1, -2)
-    t11 = t9 @ t10
-    t12 = np.heaviside(t11, 0.0)
-    t13 = (1/n_batch) * t8
-    t1 += oe.contract('abc,adc,ace->dbe', t13, t12, X, optimize=[(0, 1), (0, 1)])
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = np.swapaxes(G, -1, -2)
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.heaviside(t2, 0.0)
+    t10 = np.swapaxes(t9, -1, -2)
+    t11 = (1/n_batch) * t7
+    t1 += oe.contract('abc,adc,ace->dbe', t11, t10, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -615,18 +600,16 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t1 = (t0 * np.heaviside(t0, 0.0))
     t2 = t1 @ W_2
     F = t2
-    t3 = (2/(L*d_V)) * F
-    t4 = (-2/(L*d_V)) * Y
-    t5 = t3 + t4
-    G = t5
-    t6 = np.swapaxes(G, -1, -2)
-    t7 = np.swapaxes(W_1, -1, -2)
-    t8 = np.swapaxes(X, -1, -2)
-    t9 = t7 @ t8
-    t10 = np.heaviside(t9, 0.0)
-    t11 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t6, t10, X, t6, t10, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t3 = F - Y
+    t4 = (2/(L*d_V)) * t3
+    G = t4
+    t5 = np.swapaxes(G, -1, -2)
+    t6 = np.swapaxes(t0, -1, -2)
+    t7 = np.heaviside(t0, 0.0)
+    t8 = np.swapaxes(t7, -1, -2)
+    t9 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t8, X, t5, t8, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -672,34 +655,32 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t11 = np.einsum('abbc->abc', t9)
     t12 = t10 @ W_2
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/n_batch) * t2
-    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, t4, optimize=[(0, 1)])
-    t11 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
-    t21 = np.swapaxes(W_1, -1, -2)
-    t22 = t21 @ t2
-    t23 = (t22 * np.heaviside(t22, 0.0))
-    t24 = (2/(L*d_V*n_batch)) * t23
-    t20[...] = oe.contract('abc,de,ace,acf->bdfe', t24, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t25 = np.einsum('abca->abc', t20)
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = np.heaviside(t22, 0.0)
-    t28 = (1/n_batch) * t26
-    t25 += oe.contract('abc,adc,ace->dbe', t28, t27, X, optimize=[(0, 1), (0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = t23 @ t10
-    t33 = np.ones((d_V,), dtype=X.dtype)
-    t34 = (2/(L*d_V*n_batch)) * t33
-    t31 += oe.contract('abc,d->bdc', t32, t34, optimize=[(0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/n_batch) * t2
+    t16 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t17 = oe.contract('abc,acd->bdac', t15, t4, optimize=[(0, 1)])
+    t11 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
+    t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
+    t20 = np.swapaxes(t3, -1, -2)
+    t21 = np.swapaxes(t10, -1, -2)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = np.einsum('abca->abc', t19)
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = np.swapaxes(t4, -1, -2)
+    t26 = (1/n_batch) * t24
+    t23 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_ff, d_V, d_ff, d_V), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = t21 @ t10
+    t31 = np.ones((d_V,), dtype=X.dtype)
+    t32 = (2/(L*d_V*n_batch)) * t31
+    t29 += oe.contract('abc,d->bdc', t30, t32, optimize=[(0, 1)])
     return H
 
 
@@ -713,36 +694,32 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t1 = X @ W_1
     t2 = (t1 * np.heaviside(t1, 0.0))
     t3 = t2 @ V_W_2
-    t4 = (2/(L*d_V)) * t3
-    t5 = np.heaviside(t1, 0.0)
-    t6 = X @ V_W_1
-    t7 = t5 * t6
-    t8 = t7 @ W_2
+    t4 = np.heaviside(t1, 0.0)
+    t5 = X @ V_W_1
+    t6 = t4 * t5
+    t7 = t6 @ W_2
+    t8 = t3 + t7
     t9 = (2/(L*d_V)) * t8
-    t10 = t4 + t9
-    t11 = np.swapaxes(W_2, -1, -2)
-    t12 = t10 @ t11
-    t13 = t2 @ W_2
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    t17 = np.swapaxes(V_W_2, -1, -2)
-    t18 = t16 @ t17
-    t19 = t12 + t18
-    t20 = t19 * t5
-    t21 = t0 @ t20
-    t22 = np.swapaxes(W_1, -1, -2)
-    t23 = t22 @ t0
-    t24 = (t23 * np.heaviside(t23, 0.0))
-    t25 = t24 @ t10
-    t26 = np.heaviside(t23, 0.0)
-    t27 = np.swapaxes(V_W_1, -1, -2)
-    t28 = t27 @ t0
-    t29 = t26 * t28
-    t30 = t29 @ t16
-    t31 = t25 + t30
-    return (t21.mean(0), t31.mean(0),)
+    t10 = np.swapaxes(W_2, -1, -2)
+    t11 = t9 @ t10
+    t12 = t2 @ W_2
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    t15 = np.swapaxes(V_W_2, -1, -2)
+    t16 = t14 @ t15
+    t17 = t11 + t16
+    t18 = t17 * t4
+    t19 = t0 @ t18
+    t20 = np.swapaxes(t1, -1, -2)
+    t21 = np.swapaxes(t2, -1, -2)
+    t22 = t21 @ t9
+    t23 = np.swapaxes(t4, -1, -2)
+    t24 = np.swapaxes(t5, -1, -2)
+    t25 = t23 * t24
+    t26 = t25 @ t14
+    t27 = t22 + t26
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
@@ -761,23 +738,21 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t7 = (t1 * np.heaviside(t1, 0.0))
     t8 = t7 @ W_2
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    t14 = np.swapaxes(W_1, -1, -2)
-    t15 = t14 @ t0
-    t16 = (t15 * np.heaviside(t15, 0.0))
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = np.heaviside(t15, 0.0)
-    t19 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t16, t3, t2, X, t16, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t16, t3, t2, X, t17, t18, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t17, t18, X, t17, t18, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = t16 @ t7
-    t22 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return (t6, t13, t20, t23,)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    t13 = np.swapaxes(t1, -1, -2)
+    t14 = np.swapaxes(t7, -1, -2)
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.swapaxes(t2, -1, -2)
+    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t14, t3, t2, X, t14, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t14, t3, t2, X, t15, t16, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t15, t16, X, t15, t16, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = t14 @ t7
+    t20 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return (t6, t12, t18, t21,)
 
 
 def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -863,14 +838,13 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t6 = np.einsum('abbc->abc', t0)
     t7 = t4 @ W_2
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = (1/n_batch) * t1
-    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t13 = oe.contract('abc,acd->bdac', t11, t3, optimize=[(0, 1)])
-    t6 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = (1/n_batch) * t1
+    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t12 = oe.contract('abc,acd->bdac', t10, t3, optimize=[(0, 1)])
+    t6 += oe.contract('abc,debc->dea', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -886,13 +860,12 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = np.sqrt(np.maximum(t7, 0.0))
+    return t8
 
 
 def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -907,8 +880,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t2 = np.swapaxes(X, -1, -2)
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
-    t5 = X @ W_1
-    t6 = (t5 * np.heaviside(t5, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
+    t6 = np.swapaxes(t4, -1, -2)
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -926,8 +899,8 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = X @ W_1
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -945,22 +918,21 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(W_2, -1, -2)
-    t6 = X @ W_1
-    t7 = np.heaviside(t6, 0.0)
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t9 = np.einsum('abca->abc', t0)
-    t10 = (t6 * np.heaviside(t6, 0.0))
-    t11 = t10 @ W_2
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
+    t6 = np.swapaxes(t3, -1, -2)
+    t7 = np.heaviside(t3, 0.0)
+    t8 = np.swapaxes(t7, -1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 = np.einsum('abca->abc', t0)
+    t11 = np.swapaxes(t4, -1, -2)
+    t12 = t11 @ W_2
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = np.swapaxes(G, -1, -2)
-    t16 = np.heaviside(t3, 0.0)
-    t17 = (1/n_batch) * t15
-    t9 += oe.contract('abc,adc,ace->dbe', t17, t16, X, optimize=[(0, 1), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t10 += oe.contract('abc,adc,ace->dbe', t16, t7, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -975,20 +947,19 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
-    t5 = X @ W_1
-    t6 = np.heaviside(t5, 0.0)
-    t7 = (t5 * np.heaviside(t5, 0.0))
-    t8 = t7 @ W_2
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
+    t5 = np.swapaxes(t2, -1, -2)
+    t6 = np.heaviside(t2, 0.0)
+    t7 = np.swapaxes(t6, -1, -2)
+    t8 = np.swapaxes(t3, -1, -2)
+    t9 = t8 @ W_2
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = np.swapaxes(G, -1, -2)
-    t13 = np.heaviside(t2, 0.0)
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t12, t13, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t13, X, t12, t13, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t12, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t6, X, t12, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -1005,8 +976,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = (t4 * np.heaviside(t4, 0.0))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t4, -1, -2)
+    t7 = np.swapaxes(t5, -1, -2)
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -1024,8 +995,8 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = X @ W_1
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = np.sqrt(np.maximum(t7, 0.0))
@@ -1063,17 +1034,16 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t5 = t3 @ W_2
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
-    t11 = t4 + t9 + t10
-    t12 = np.sqrt(np.maximum(t4, 0.0))
-    t13 = np.sqrt(np.maximum(t9, 0.0))
-    t14 = np.sqrt(np.maximum(t11, 0.0))
-    return (t12, t13, t14,)
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t9 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
+    t10 = t4 + t8 + t9
+    t11 = np.sqrt(np.maximum(t4, 0.0))
+    t12 = np.sqrt(np.maximum(t8, 0.0))
+    t13 = np.sqrt(np.maximum(t10, 0.0))
+    return (t11, t12, t13,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -1087,25 +1057,24 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
-    t5 = X @ W_1
-    t6 = np.heaviside(t5, 0.0)
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = (t5 * np.heaviside(t5, 0.0))
-    t9 = t8 @ W_2
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
+    t5 = np.swapaxes(t2, -1, -2)
+    t6 = np.heaviside(t2, 0.0)
+    t7 = np.swapaxes(t6, -1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = t9 @ W_2
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = np.swapaxes(G, -1, -2)
-    t14 = np.heaviside(t2, 0.0)
-    t15 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t14, X, t13, t14, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t13, t14, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = t7 + t15 + t16
-    t18 = np.sqrt(np.maximum(t7, 0.0))
-    t19 = np.sqrt(np.maximum(t15, 0.0))
-    t20 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, t19, t20,)
+    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t6, X, t13, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t13, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = t8 + t14 + t15
+    t17 = np.sqrt(np.maximum(t8, 0.0))
+    t18 = np.sqrt(np.maximum(t14, 0.0))
+    t19 = np.sqrt(np.maximum(t16, 0.0))
+    return (t17, t18, t19,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -1118,8 +1087,8 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = X @ W_1
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = t7 + 0.0 + 0.0
@@ -1203,7 +1172,7 @@ def ce_bias0_residual0__loss(X, W_1, W_2, Y):
     t6 = t5.sum(-1, keepdims=True)
     t7 = t6.sum(-2, keepdims=True)
     t8 = (-1/L) * t7
-    return t8.mean(0)[0, 0]
+    return (t8[0] if n_batch == 1 else t8.mean(0))[0, 0]
 
 
 def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
@@ -1223,19 +1192,17 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t7 = np.exp(F - F.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_2, -1, -2)
-    t13 = G @ t12
-    t14 = t2 * t13
-    t15 = t0 @ t14
-    t16 = np.swapaxes(W_1, -1, -2)
-    t17 = t16 @ t0
-    t18 = (t17 * np.heaviside(t17, 0.0))
-    t19 = t18 @ G
-    return (t15.mean(0), t19.mean(0),)
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = np.swapaxes(W_2, -1, -2)
+    t12 = G @ t11
+    t13 = t2 * t12
+    t14 = t0 @ t13
+    t15 = np.swapaxes(t1, -1, -2)
+    t16 = np.swapaxes(t5, -1, -2)
+    t17 = t16 @ G
+    return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
 
 
 def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
@@ -1271,15 +1238,14 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
-    t21 = np.swapaxes(W_1, -1, -2)
-    t22 = t21 @ t2
-    t23 = (t22 * np.heaviside(t22, 0.0))
-    t24 = (1/(L*n_batch)) * t23
-    t25 = oe.contract('abc,acd,acde,ef,acf->bdfac', t24, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t20[...] = oe.contract('abcde,fde->abfc', t25, t14, optimize=[(0, 1)])
-    t26 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t27 = np.reshape(t26, (d_ff, d_V, d_ff, d_V), copy=False)
-    t27[...] = oe.contract('abc,acd,acde,acf->bdfe', t24, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t21 = np.swapaxes(t3, -1, -2)
+    t22 = np.swapaxes(t7, -1, -2)
+    t23 = (1/(L*n_batch)) * t22
+    t24 = oe.contract('abc,acd,acde,ef,acf->bdfac', t23, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t26 = np.reshape(t25, (d_ff, d_V, d_ff, d_V), copy=False)
+    t26[...] = oe.contract('abc,acd,acde,acf->bdfe', t23, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -1311,12 +1277,11 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t2 * t17
     t19 = t0 @ t18
     t20 = (1/L) * t19
-    t21 = np.swapaxes(W_1, -1, -2)
-    t22 = t21 @ t0
-    t23 = (t22 * np.heaviside(t22, 0.0))
-    t24 = t23 @ t15
-    t25 = (1/L) * t24
-    return (t20.mean(0), t25.mean(0),)
+    t21 = np.swapaxes(t1, -1, -2)
+    t22 = np.swapaxes(t5, -1, -2)
+    t23 = t22 @ t15
+    t24 = (1/L) * t23
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
@@ -1342,14 +1307,13 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t11 = np.sqrt(np.maximum(t10, 0.0))
     t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     t13 = np.sqrt(np.maximum(t12, 0.0))
-    t14 = np.swapaxes(W_1, -1, -2)
-    t15 = t14 @ t0
-    t16 = (t15 * np.heaviside(t15, 0.0))
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t16, t4, dA, t9, t2, X, t16, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t16, t4, dA, t5, t16, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return (t11, t13, t18, t20,)
+    t14 = np.swapaxes(t1, -1, -2)
+    t15 = np.swapaxes(t5, -1, -2)
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t15, t4, dA, t9, t2, X, t15, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t15, t4, dA, t5, t15, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return (t11, t13, t17, t19,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1516,8 +1480,8 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = X @ W_1
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -1543,8 +1507,8 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -1568,8 +1532,8 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = X @ W_1
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -1577,11 +1541,12 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = np.swapaxes(W_2, -1, -2)
-    t13 = np.heaviside(t7, 0.0)
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
+    t13 = np.heaviside(t3, 0.0)
+    t14 = np.swapaxes(t13, -1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1597,8 +1562,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -1606,10 +1571,11 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t6, 0.0)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t12 = np.heaviside(t2, 0.0)
+    t13 = np.swapaxes(t12, -1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1626,8 +1592,8 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = X @ W_1
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -1651,8 +1617,8 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -1688,26 +1654,24 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t8 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/n_batch) * t4
-    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, t6, optimize=[(0, 1)])
-    t3 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t19[...] = 0
-    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
-    t21 = np.einsum('abca->abc', t20)
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = np.swapaxes(W_1, -1, -2)
-    t24 = t23 @ t4
-    t25 = np.heaviside(t24, 0.0)
-    t26 = (1/n_batch) * t22
-    t21 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
-    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t27[...] = 0
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (1/n_batch) * t4
+    t16 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t17 = oe.contract('abc,acd->bdac', t15, t6, optimize=[(0, 1)])
+    t3 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
+    t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t18[...] = 0
+    t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
+    t20 = np.einsum('abca->abc', t19)
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = np.swapaxes(t5, -1, -2)
+    t23 = np.swapaxes(t6, -1, -2)
+    t24 = (1/n_batch) * t21
+    t20 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t25[...] = 0
     return H
 
 
@@ -1728,22 +1692,20 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t7 = np.exp(F - F.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(V_W_2, -1, -2)
-    t13 = G @ t12
-    t14 = t2 * t13
-    t15 = t0 @ t14
-    t16 = np.swapaxes(W_1, -1, -2)
-    t17 = t16 @ t0
-    t18 = np.heaviside(t17, 0.0)
-    t19 = np.swapaxes(V_W_1, -1, -2)
-    t20 = t19 @ t0
-    t21 = t18 * t20
-    t22 = t21 @ G
-    return (t15.mean(0), t22.mean(0),)
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = np.swapaxes(V_W_2, -1, -2)
+    t12 = G @ t11
+    t13 = t2 * t12
+    t14 = t0 @ t13
+    t15 = np.swapaxes(t1, -1, -2)
+    t16 = np.swapaxes(t2, -1, -2)
+    t17 = np.swapaxes(V_W_1, -1, -2)
+    t18 = t17 @ t0
+    t19 = t16 * t18
+    t20 = t19 @ G
+    return ((t14[0] if n_batch == 1 else t14.mean(0)), (t20[0] if n_batch == 1 else t20.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
@@ -1763,19 +1725,17 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t7 = np.exp(F - F.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = np.swapaxes(W_1, -1, -2)
-    t16 = t15 @ t0
-    t17 = np.heaviside(t16, 0.0)
-    t18 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t14, t17, X, t14, t17, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return (0.0, t13, t19, 0.0,)
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = np.swapaxes(t1, -1, -2)
+    t15 = np.swapaxes(t2, -1, -2)
+    t16 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t15, X, t13, t15, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return (0.0, t12, t17, 0.0,)
 
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -1839,14 +1799,13 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = t6 * A
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/n_batch) * t2
-    t15 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t16 = oe.contract('abc,acd->bdac', t14, t4, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t15, t16, optimize=[(0, 1)])
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = (1/n_batch) * t2
+    t14 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t15 = oe.contract('abc,acd->bdac', t13, t4, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1867,13 +1826,12 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t7 = np.exp(F - F.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -1915,17 +1873,15 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t7 = np.exp(F - F.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = t3 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = np.swapaxes(W_1, -1, -2)
-    t14 = np.swapaxes(X, -1, -2)
-    t15 = t13 @ t14
-    t16 = np.heaviside(t15, 0.0)
-    t17 = (1/n_batch) * t12
-    t1 += oe.contract('abc,adc,ace->dbe', t17, t16, X, optimize=[(0, 1), (0, 1)])
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = np.swapaxes(t4, -1, -2)
+    t13 = np.heaviside(t4, 0.0)
+    t14 = np.swapaxes(t13, -1, -2)
+    t15 = (1/n_batch) * t11
+    t1 += oe.contract('abc,adc,ace->dbe', t15, t14, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1944,18 +1900,16 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t5 = np.exp(F - F.max(-1, keepdims=True))
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = t1 * A
-    t7 = (1/L) * t6
-    t8 = (-1/L) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = np.swapaxes(G, -1, -2)
-    t11 = np.swapaxes(W_1, -1, -2)
-    t12 = np.swapaxes(X, -1, -2)
-    t13 = t11 @ t12
-    t14 = np.heaviside(t13, 0.0)
-    t15 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t10, t14, X, t10, t14, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t7 = t6 - Y
+    t8 = (1/L) * t7
+    G = t8
+    t9 = np.swapaxes(G, -1, -2)
+    t10 = np.swapaxes(t2, -1, -2)
+    t11 = np.heaviside(t2, 0.0)
+    t12 = np.swapaxes(t11, -1, -2)
+    t13 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t12, X, t9, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -2014,30 +1968,28 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = t6 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = (1/n_batch) * t2
-    t27 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t28 = oe.contract('abc,acd->bdac', t26, t4, optimize=[(0, 1)])
-    t19 += oe.contract('abc,debc->dea', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t30 = np.reshape(t29, (d_ff, d_V, d_V, d_ff), copy=False)
-    t31 = np.swapaxes(W_1, -1, -2)
-    t32 = t31 @ t2
-    t33 = (t32 * np.heaviside(t32, 0.0))
-    t34 = (1/(L*n_batch)) * t33
-    t35 = oe.contract('abc,acd,acde,ef,acf->bdfac', t34, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t30[...] = oe.contract('abcde,fde->abfc', t35, t14, optimize=[(0, 1)])
-    t36 = np.einsum('abca->abc', t30)
-    t37 = np.swapaxes(G, -1, -2)
-    t38 = np.heaviside(t32, 0.0)
-    t39 = (1/n_batch) * t37
-    t36 += oe.contract('abc,adc,ace->dbe', t39, t38, X, optimize=[(0, 1), (0, 1)])
-    t40 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t41 = np.reshape(t40, (d_ff, d_V, d_ff, d_V), copy=False)
-    t41[...] = oe.contract('abc,acd,acde,acf->bdfe', t34, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/n_batch) * t2
+    t26 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t27 = oe.contract('abc,acd->bdac', t25, t4, optimize=[(0, 1)])
+    t19 += oe.contract('abc,debc->dea', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t29 = np.reshape(t28, (d_ff, d_V, d_V, d_ff), copy=False)
+    t30 = np.swapaxes(t3, -1, -2)
+    t31 = np.swapaxes(t7, -1, -2)
+    t32 = (1/(L*n_batch)) * t31
+    t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
+    t34 = np.einsum('abca->abc', t29)
+    t35 = np.swapaxes(G, -1, -2)
+    t36 = np.swapaxes(t4, -1, -2)
+    t37 = (1/n_batch) * t35
+    t34 += oe.contract('abc,adc,ace->dbe', t37, t36, X, optimize=[(0, 1), (0, 1)])
+    t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t39 = np.reshape(t38, (d_ff, d_V, d_ff, d_V), copy=False)
+    t39[...] = oe.contract('abc,acd,acde,acf->bdfe', t32, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -2057,38 +2009,35 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t6 = np.exp(F - F.max(-1, keepdims=True))
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = t2 * A
-    t8 = (1/L) * t7
-    t9 = (-1/L) * Y
-    t10 = t8 + t9
-    t11 = np.swapaxes(V_W_2, -1, -2)
-    t12 = t10 @ t11
-    t13 = t4 @ V_W_2
-    t14 = np.heaviside(t3, 0.0)
-    t15 = X @ V_W_1
-    t16 = t14 * t15
-    t17 = t16 @ W_2
-    t18 = t13 + t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = t2 * t20
-    t22 = np.swapaxes(W_2, -1, -2)
-    t23 = t21 @ t22
-    t24 = (1/L) * t23
-    t25 = t12 + t24
-    t26 = t25 * t14
-    t27 = t0 @ t26
-    t28 = np.swapaxes(W_1, -1, -2)
-    t29 = t28 @ t0
-    t30 = (t29 * np.heaviside(t29, 0.0))
-    t31 = t30 @ t21
-    t32 = (1/L) * t31
-    t33 = np.heaviside(t29, 0.0)
-    t34 = np.swapaxes(V_W_1, -1, -2)
-    t35 = t34 @ t0
-    t36 = t33 * t35
-    t37 = t36 @ t10
-    t38 = t32 + t37
-    return (t27.mean(0), t38.mean(0),)
+    t8 = t7 - Y
+    t9 = (1/L) * t8
+    t10 = np.swapaxes(V_W_2, -1, -2)
+    t11 = t9 @ t10
+    t12 = t4 @ V_W_2
+    t13 = np.heaviside(t3, 0.0)
+    t14 = X @ V_W_1
+    t15 = t13 * t14
+    t16 = t15 @ W_2
+    t17 = t12 + t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
+    t20 = t2 * t19
+    t21 = np.swapaxes(W_2, -1, -2)
+    t22 = t20 @ t21
+    t23 = (1/L) * t22
+    t24 = t11 + t23
+    t25 = t24 * t13
+    t26 = t0 @ t25
+    t27 = np.swapaxes(t3, -1, -2)
+    t28 = np.swapaxes(t4, -1, -2)
+    t29 = t28 @ t20
+    t30 = (1/L) * t29
+    t31 = np.swapaxes(t13, -1, -2)
+    t32 = np.swapaxes(t14, -1, -2)
+    t33 = t31 * t32
+    t34 = t33 @ t9
+    t35 = t30 + t34
+    return ((t26[0] if n_batch == 1 else t26.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
@@ -2116,22 +2065,20 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = t4 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(W_1, -1, -2)
-    t21 = t20 @ t0
-    t22 = (t21 * np.heaviside(t21, 0.0))
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = np.heaviside(t21, 0.0)
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t22, t4, dA, t9, t2, X, t22, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t22, t4, dA, t9, t2, X, t23, t24, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t23, t24, X, t23, t24, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = np.swapaxes(t1, -1, -2)
+    t20 = np.swapaxes(t5, -1, -2)
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = np.swapaxes(t2, -1, -2)
+    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t20, t4, dA, t9, t2, X, t20, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t20, t4, dA, t9, t2, X, t21, t22, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t21, t22, X, t21, t22, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t4, dA, t5, t20, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t22, t4, dA, t5, t22, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    return (t11, t19, t26, t28,)
+    return (t11, t18, t24, t26,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2263,14 +2210,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t5 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/n_batch) * t1
-    t21 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t22 = oe.contract('abc,acd->bdac', t20, t3, optimize=[(0, 1)])
-    t13 += oe.contract('abc,debc->dea', t21, t22, optimize=[(0, 1)])
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/n_batch) * t1
+    t20 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t21 = oe.contract('abc,acd->bdac', t19, t3, optimize=[(0, 1)])
+    t13 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2296,13 +2242,12 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = t4 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2319,8 +2264,8 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = X @ W_1
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -2346,8 +2291,8 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2371,8 +2316,8 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = X @ W_1
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -2380,24 +2325,23 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = np.swapaxes(W_2, -1, -2)
-    t13 = np.heaviside(t7, 0.0)
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
-    t17 = np.einsum('abca->abc', t0)
+    t13 = np.heaviside(t3, 0.0)
+    t14 = np.swapaxes(t13, -1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t18 = np.einsum('abca->abc', t0)
     F = t9
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t6 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t6 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
     G = t23
     t24 = np.swapaxes(G, -1, -2)
-    t25 = np.heaviside(t3, 0.0)
-    t26 = (1/n_batch) * t24
-    t17 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/n_batch) * t24
+    t18 += oe.contract('abc,adc,ace->dbe', t25, t13, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2413,8 +2357,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2422,20 +2366,19 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t6, 0.0)
+    t12 = np.heaviside(t2, 0.0)
+    t13 = np.swapaxes(t12, -1, -2)
     F = t8
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t5 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t5 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
     G = t18
     t19 = np.swapaxes(G, -1, -2)
-    t20 = np.heaviside(t2, 0.0)
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t19, t20, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t20, X, t19, t20, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t19, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t12, X, t19, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2452,8 +2395,8 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = X @ W_1
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -2477,8 +2420,8 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2539,17 +2482,16 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t4 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t18 = t9 + t16 + t17
-    t19 = np.sqrt(np.maximum(t9, 0.0))
-    t20 = np.sqrt(np.maximum(t16, 0.0))
-    t21 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, t20, t21,)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t17 = t9 + t15 + t16
+    t18 = np.sqrt(np.maximum(t9, 0.0))
+    t19 = np.sqrt(np.maximum(t15, 0.0))
+    t20 = np.sqrt(np.maximum(t17, 0.0))
+    return (t18, t19, t20,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -2564,8 +2506,8 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2573,25 +2515,24 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t6, 0.0)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = np.heaviside(t2, 0.0)
+    t13 = np.swapaxes(t12, -1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t5 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
+    t15 = np.exp(F - F.max(-1, keepdims=True))
+    A16 = t15 / t15.sum(-1, keepdims=True)
+    t17 = t5 * A16
+    t18 = t17 - Y
+    t19 = (1/L) * t18
     G = t19
     t20 = np.swapaxes(G, -1, -2)
-    t21 = np.heaviside(t2, 0.0)
-    t22 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t21, X, t20, t21, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t20, t21, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
-    t24 = t13 + t22 + t23
-    t25 = np.sqrt(np.maximum(t13, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t12, X, t20, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t20, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
+    t23 = t14 + t21 + t22
+    t24 = np.sqrt(np.maximum(t14, 0.0))
+    t25 = np.sqrt(np.maximum(t21, 0.0))
+    t26 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24, t25, t26,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -2606,8 +2547,8 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = X @ W_1
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)

@@ -25,8 +25,8 @@ def mse__loss(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -37,13 +37,12 @@ def mse__loss(X, Y):
     P_Z = t8
     t9 = M_Z * P_Z
     Z = t9
-    t10 = -Y
-    t11 = Z + t10
-    t12 = t11 * t11
-    t13 = t12.sum(-1, keepdims=True)
-    t14 = t13.sum(-2, keepdims=True)
-    t15 = (1/(L*d_V)) * t14
-    return t15.mean(0)[0, 0]
+    t10 = Z - Y
+    t11 = t10 * t10
+    t12 = t11.sum(-1, keepdims=True)
+    t13 = t12.sum(-2, keepdims=True)
+    t14 = (1/(L*d_V)) * t13
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def mse__gradient(X, Y):
@@ -53,8 +52,8 @@ def mse__gradient(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -67,23 +66,22 @@ def mse__gradient(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = t16 * M_Z
-    t18 = (2/d_V) * t17
-    t19 = G * P_Z
-    t20 = (-2/d_V**2) * t17
-    t21 = (-1/d_V) * t19
-    t22 = t20 + t21
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t18 + t19 + t24
-    return (t25.mean(0),)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = t15 * M_Z
+    t17 = (2/d_V) * t16
+    t18 = G * P_Z
+    t19 = (2/d_V**2) * t16
+    t20 = (1/d_V) * t18
+    t21 = -t19 - t20
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t17 + t18 + t23
+    return ((t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
 def mse__hessian__outer(X, Y):
@@ -98,8 +96,8 @@ def mse__hessian__outer(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -132,12 +130,12 @@ def mse__hvp__outer(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -161,9 +159,9 @@ def mse__hvp__outer(X, Y, V_X):
     t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
     t26 = t25 * M_Z
     t27 = (2/d_V) * t26
-    t28 = (-1/d_V) * t22
-    t29 = (-2/d_V**2) * t26
-    t30 = t28 + t29
+    t28 = (1/d_V) * t22
+    t29 = (2/d_V**2) * t26
+    t30 = -t28 - t29
     t31 = t30.sum(-1, keepdims=True)
     t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
     t33 = t22 + t27 + t32
@@ -177,8 +175,8 @@ def mse__frobenius_all__outer(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -214,8 +212,8 @@ def mse__diag__X__outer(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -248,8 +246,8 @@ def mse__trace__X__outer(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -285,8 +283,8 @@ def mse__block__X__X__outer(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -319,8 +317,8 @@ def mse__frobenius__X__X__outer(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -359,8 +357,8 @@ def mse__hessian__functional(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -373,265 +371,14 @@ def mse__hessian__functional(X, Y):
     t13 = M_Z * P_Z
     Z = t13
     F = Z
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t11 * G * M_Z
-    t18 = t17.sum(-1, keepdims=True)
-    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = t11 * G
-    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    t29 = (1/n_batch) * S28
-    t2 += oe.contract('abcd,bde->bce', S26, t29, optimize=[(0, 1)])
-    return H
-
-
-def mse__hvp__functional(X, Y, V_X):
-    """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
-    t0 = V_X.sum(-1, keepdims=True)
-    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
-    t4 = X.sum(-1, keepdims=True)
-    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
-    M_Z = t7
-    t8 = M_Z * M_Z
-    t9 = t8.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = (1/d_V) * t10
-    sigma2_Z = t11
-    t12 = (-0.5 * (sigma2_Z ** -1.5))
-    t13 = (sigma2_Z ** -0.5)
-    P_Z = t13
-    t14 = M_Z * P_Z
-    Z = t14
-    F = Z
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t12 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = t3 * t20
-    t22 = (2/d_V) * t21
-    t23 = t3 * M_Z
-    t24 = t23.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
-    t26 = t12 * t25 * G
-    t27 = (2/d_V) * t26
-    t28 = t3 * t12 * G
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * t25 * G * M_Z
-    t31 = (2/d_V) * t30
-    t32 = t28 + t31
-    t33 = t32.sum(-1, keepdims=True)
-    t34 = np.broadcast_to(t33, t33.shape[:-1] + (d_V,))
-    t35 = t34 * M_Z
-    t36 = (2/d_V) * t35
-    t37 = (-2/d_V**2) * t21
-    t38 = (-2/d_V**2) * t26
-    t39 = (-2/d_V**2) * t35
-    t40 = t37 + t38 + t39
-    t41 = t40.sum(-1, keepdims=True)
-    t42 = np.broadcast_to(t41, t41.shape[:-1] + (d_V,))
-    t43 = t22 + t27 + t36 + t42
-    return (t43.mean(0),)
-
-
-def mse__frobenius_all__functional(X, Y):
-    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
-    t0 = X.sum(-1, keepdims=True)
-    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
-    M_Z = t3
-    t4 = M_Z * M_Z
-    t5 = t4.sum(-1, keepdims=True)
-    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = (1/d_V) * t6
-    sigma2_Z = t7
-    t8 = (-0.5 * (sigma2_Z ** -1.5))
-    t9 = (sigma2_Z ** -0.5)
-    P_Z = t9
-    t10 = M_Z * P_Z
-    Z = t10
-    F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S22, optimize=[(0, 1)])
-    t24 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S23, S25, S23, S25, optimize=[(0, 1), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27,)
-
-
-def mse__diag__X__functional(X, Y):
-    """diag H_functional(X, X) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
-    out = np.empty((L*d_V,), dtype=Y.dtype)
-    t0 = np.reshape(out, (L, d_V), copy=False)
-    t1 = X.sum(-1, keepdims=True)
-    t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
-    M_Z = t4
-    t5 = M_Z * M_Z
-    t6 = t5.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = (1/d_V) * t7
-    sigma2_Z = t8
-    t9 = (-0.5 * (sigma2_Z ** -1.5))
-    t10 = (sigma2_Z ** -0.5)
-    P_Z = t10
-    t11 = M_Z * P_Z
-    Z = t11
-    F = Z
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t9 * G * M_Z
-    t16 = t15.sum(-1, keepdims=True)
-    t17 = np.broadcast_to(t16, t16.shape[:-1] + (d_V,))
-    t18 = np.eye(d_V, dtype=Y.dtype)
-    t19 = t9 * G
-    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S23, optimize=[(0, 1)])
-    t25 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,c->cab', t18, t25, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t25, optimize=[(0, 1)])
-    t27 = (1/n_batch) * S26
-    t0[...] = oe.contract('abcd,bdc->bc', S24, t27, optimize=[(0, 1)])
-    return out
-
-
-def mse__trace__X__functional(X, Y):
-    """tr H_functional(X, X) without the dense block."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
-    t0 = X.sum(-1, keepdims=True)
-    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
-    M_Z = t3
-    t4 = M_Z * M_Z
-    t5 = t4.sum(-1, keepdims=True)
-    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = (1/d_V) * t6
-    sigma2_Z = t7
-    t8 = (-0.5 * (sigma2_Z ** -1.5))
-    t9 = (sigma2_Z ** -0.5)
-    P_Z = t9
-    t10 = M_Z * P_Z
-    Z = t10
-    F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S22, optimize=[(0, 1)])
-    t24 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S23, S25, optimize=[(0, 1)])
-
-
-def mse__block__X__X__functional(X, Y):
-    """H_functional(X, X) as a dense (numel X × numel X) block, vec_r layout."""
-    L = X.shape[-2]
-    d_V = X.shape[-1]
-    n_batch = Y.shape[0]
-    out = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    out[...] = 0
-    t0 = np.reshape(out, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
-    t2 = X.sum(-1, keepdims=True)
-    t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
-    M_Z = t5
-    t6 = M_Z * M_Z
-    t7 = t6.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = (1/d_V) * t8
-    sigma2_Z = t9
-    t10 = (-0.5 * (sigma2_Z ** -1.5))
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    t12 = M_Z * P_Z
-    Z = t12
-    F = Z
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
     G = t15
-    t16 = t10 * G * M_Z
+    t16 = t11 * G * M_Z
     t17 = t16.sum(-1, keepdims=True)
     t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
     t19 = np.eye(d_V, dtype=Y.dtype)
-    t20 = t10 * G
+    t20 = t11 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
     t22 = (0.75 * (sigma2_Z ** -2.5))
     t23 = t22 * G * M_Z
@@ -645,19 +392,74 @@ def mse__block__X__X__functional(X, Y):
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = oe.contract('ab,c->cab', t19, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t26, optimize=[(0, 1)])
     t28 = (1/n_batch) * S27
-    t1 += oe.contract('abcd,bde->bce', S25, t28, optimize=[(0, 1)])
-    return out
+    t2 += oe.contract('abcd,bde->bce', S25, t28, optimize=[(0, 1)])
+    return H
 
 
-def mse__frobenius__X__X__functional(X, Y):
-    """‖H_functional(X, X)‖_F from index networks, exact, without the block."""
+def mse__hvp__functional(X, Y, V_X):
+    """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    t0 = V_X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
+    t4 = X.sum(-1, keepdims=True)
+    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
+    t6 = (1/d_V) * t5
+    t7 = X - t6
+    M_Z = t7
+    t8 = M_Z * M_Z
+    t9 = t8.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = (1/d_V) * t10
+    sigma2_Z = t11
+    t12 = (-0.5 * (sigma2_Z ** -1.5))
+    t13 = (sigma2_Z ** -0.5)
+    P_Z = t13
+    t14 = M_Z * P_Z
+    Z = t14
+    F = Z
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t12 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = t3 * t19
+    t21 = (2/d_V) * t20
+    t22 = t3 * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = t12 * t24 * G
+    t26 = (2/d_V) * t25
+    t27 = t3 * t12 * G
+    t28 = (0.75 * (sigma2_Z ** -2.5))
+    t29 = t28 * t24 * G * M_Z
+    t30 = (2/d_V) * t29
+    t31 = t27 + t30
+    t32 = t31.sum(-1, keepdims=True)
+    t33 = np.broadcast_to(t32, t32.shape[:-1] + (d_V,))
+    t34 = t33 * M_Z
+    t35 = (2/d_V) * t34
+    t36 = -t20 - t25 - t34
+    t37 = (2/d_V**2) * t36
+    t38 = t37.sum(-1, keepdims=True)
+    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
+    t40 = t21 + t26 + t35 + t39
+    return ((t40[0] if n_batch == 1 else t40.mean(0)),)
+
+
+def mse__frobenius_all__functional(X, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -670,15 +472,62 @@ def mse__frobenius__X__X__functional(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
+    t23 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return (t26,)
+
+
+def mse__diag__X__functional(X, Y):
+    """diag H_functional(X, X) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    out = np.empty((L*d_V,), dtype=Y.dtype)
+    t0 = np.reshape(out, (L, d_V), copy=False)
+    t1 = X.sum(-1, keepdims=True)
+    t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
+    t3 = (1/d_V) * t2
+    t4 = X - t3
+    M_Z = t4
+    t5 = M_Z * M_Z
+    t6 = t5.sum(-1, keepdims=True)
+    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+    t8 = (1/d_V) * t7
+    sigma2_Z = t8
+    t9 = (-0.5 * (sigma2_Z ** -1.5))
+    t10 = (sigma2_Z ** -0.5)
+    P_Z = t10
+    t11 = M_Z * P_Z
+    Z = t11
+    F = Z
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t8 * G * M_Z
+    t14 = t9 * G * M_Z
     t15 = t14.sum(-1, keepdims=True)
     t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
     t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = t8 * G
+    t18 = t9 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
     t20 = (0.75 * (sigma2_Z ** -2.5))
     t21 = t20 * G * M_Z
@@ -691,9 +540,149 @@ def mse__frobenius__X__X__functional(X, Y):
     t24 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S23, S25, S23, S25, optimize=[(0, 1), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return t27
+    t26 = (1/n_batch) * S25
+    t0[...] = oe.contract('abcd,bdc->bc', S23, t26, optimize=[(0, 1)])
+    return out
+
+
+def mse__trace__X__functional(X, Y):
+    """tr H_functional(X, X) without the dense block."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (1/d_V) * t1
+    t3 = X - t2
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = (sigma2_Z ** -0.5)
+    P_Z = t9
+    t10 = M_Z * P_Z
+    Z = t10
+    F = Z
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
+    t23 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S22, S24, optimize=[(0, 1)])
+
+
+def mse__block__X__X__functional(X, Y):
+    """H_functional(X, X) as a dense (numel X × numel X) block, vec_r layout."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    out = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
+    out[...] = 0
+    t0 = np.reshape(out, (L, d_V, L, d_V), copy=False)
+    t1 = np.einsum('abac->abc', t0)
+    t2 = X.sum(-1, keepdims=True)
+    t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
+    t4 = (1/d_V) * t3
+    t5 = X - t4
+    M_Z = t5
+    t6 = M_Z * M_Z
+    t7 = t6.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = (1/d_V) * t8
+    sigma2_Z = t9
+    t10 = (-0.5 * (sigma2_Z ** -1.5))
+    t11 = (sigma2_Z ** -0.5)
+    P_Z = t11
+    t12 = M_Z * P_Z
+    Z = t12
+    F = Z
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t10 * G * M_Z
+    t16 = t15.sum(-1, keepdims=True)
+    t17 = np.broadcast_to(t16, t16.shape[:-1] + (d_V,))
+    t18 = np.eye(d_V, dtype=Y.dtype)
+    t19 = t10 * G
+    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S23, optimize=[(0, 1)])
+    t25 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('ab,c->cab', t18, t25, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t25, optimize=[(0, 1)])
+    t27 = (1/n_batch) * S26
+    t1 += oe.contract('abcd,bde->bce', S24, t27, optimize=[(0, 1)])
+    return out
+
+
+def mse__frobenius__X__X__functional(X, Y):
+    """‖H_functional(X, X)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (1/d_V) * t1
+    t3 = X - t2
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = (sigma2_Z ** -0.5)
+    P_Z = t9
+    t10 = M_Z * P_Z
+    Z = t10
+    F = Z
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
+    t23 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def mse__hessian__full(X, Y):
@@ -708,8 +697,8 @@ def mse__hessian__full(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -722,34 +711,33 @@ def mse__hessian__full(X, Y):
     t13 = M_Z * P_Z
     Z = t13
     F = Z
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t11 * G * M_Z
-    t18 = t17.sum(-1, keepdims=True)
-    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = t11 * G
-    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t11 * G * M_Z
+    t17 = t16.sum(-1, keepdims=True)
+    t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = t11 * G
+    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t25 = t11 * M_Z
+    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    t24 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t21, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t22, t25, optimize=[(0, 1), (0, 1)])
+    S27 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t21, t24, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t22, t25, S26, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S26, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S27, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t22, S28, S26, optimize=[(0, 1), (0, 1)])
-    t30 = np.ones((L,), dtype=Y.dtype)
+    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t21, t24, S25, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S25, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S26, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t21, S27, S25, optimize=[(0, 1), (0, 1)])
+    t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('ab,c->cab', t20, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t30, optimize=[(0, 1)])
-    t32 = (1/n_batch) * S31
-    t2 += oe.contract('abcd,bde->bce', S29, t32, optimize=[(0, 1)])
+    S30 = oe.contract('ab,c->cab', t19, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t29, optimize=[(0, 1)])
+    t31 = (1/n_batch) * S30
+    t2 += oe.contract('abcd,bde->bce', S28, t31, optimize=[(0, 1)])
     return H
 
 
@@ -760,12 +748,12 @@ def mse__hvp__full(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -777,49 +765,46 @@ def mse__hvp__full(X, Y, V_X):
     t13 = M_Z * P_Z
     Z = t13
     F = Z
-    t14 = (4/(L*d_V**2)) * F
-    t15 = (-4/(L*d_V**2)) * Y
-    t16 = t14 + t15
-    t17 = (-0.5 * (sigma2_Z ** -1.5))
-    t18 = t16 * t17 * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = t3 * t20
-    t22 = t3 * P_Z
-    t23 = (2/(L*d_V)) * t22
-    t24 = t3 * M_Z
-    t25 = t24.sum(-1, keepdims=True)
-    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
-    t27 = t17 * t26 * M_Z
-    t28 = (4/(L*d_V**2)) * t27
-    t29 = t23 + t28
-    t30 = t29 * P_Z
-    t31 = (2/(L*d_V)) * F
-    t32 = (-2/(L*d_V)) * Y
-    t33 = t31 + t32
-    t34 = t33 * t17 * t26
-    t35 = (2/d_V) * t34
-    t36 = t3 * t16 * t17
-    t37 = (4/(L*d_V**2)) * t22
-    t38 = (8/(L*d_V**3)) * t27
-    t39 = t37 + t38
-    t40 = t39 * t17 * M_Z
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t16 * t41 * t26 * M_Z
-    t43 = (2/d_V) * t42
-    t44 = t36 + t40 + t43
-    t45 = t44.sum(-1, keepdims=True)
-    t46 = np.broadcast_to(t45, t45.shape[:-1] + (d_V,))
-    t47 = t46 * M_Z
-    t48 = (-1/d_V) * t21
-    t49 = (-1/d_V) * t30
-    t50 = (-2/d_V**2) * t34
-    t51 = (-1/d_V) * t47
-    t52 = t48 + t49 + t50 + t51
-    t53 = t52.sum(-1, keepdims=True)
-    t54 = np.broadcast_to(t53, t53.shape[:-1] + (d_V,))
-    t55 = t21 + t30 + t35 + t47 + t54
-    return (t55.mean(0),)
+    t14 = F - Y
+    t15 = (4/(L*d_V**2)) * t14
+    t16 = (-0.5 * (sigma2_Z ** -1.5))
+    t17 = t15 * t16 * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = t3 * t19
+    t21 = t3 * P_Z
+    t22 = (2/(L*d_V)) * t21
+    t23 = t3 * M_Z
+    t24 = t23.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t26 = t16 * t25 * M_Z
+    t27 = (4/(L*d_V**2)) * t26
+    t28 = t22 + t27
+    t29 = t28 * P_Z
+    t30 = (2/(L*d_V)) * t14
+    t31 = t30 * t16 * t25
+    t32 = (2/d_V) * t31
+    t33 = t3 * t15 * t16
+    t34 = (4/(L*d_V**2)) * t21
+    t35 = (8/(L*d_V**3)) * t26
+    t36 = t34 + t35
+    t37 = t36 * t16 * M_Z
+    t38 = (0.75 * (sigma2_Z ** -2.5))
+    t39 = t15 * t38 * t25 * M_Z
+    t40 = (2/d_V) * t39
+    t41 = t33 + t37 + t40
+    t42 = t41.sum(-1, keepdims=True)
+    t43 = np.broadcast_to(t42, t42.shape[:-1] + (d_V,))
+    t44 = t43 * M_Z
+    t45 = (1/d_V) * t20
+    t46 = (1/d_V) * t29
+    t47 = (2/d_V**2) * t31
+    t48 = (1/d_V) * t44
+    t49 = -t45 - t46 - t47 - t48
+    t50 = t49.sum(-1, keepdims=True)
+    t51 = np.broadcast_to(t50, t50.shape[:-1] + (d_V,))
+    t52 = t20 + t29 + t32 + t44 + t51
+    return ((t52[0] if n_batch == 1 else t52.mean(0)),)
 
 
 def mse__frobenius_all__full(X, Y):
@@ -829,8 +814,8 @@ def mse__frobenius_all__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -843,35 +828,34 @@ def mse__frobenius_all__full(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t22 = t8 * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t21 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
+    t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30,)
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29,)
 
 
 def mse__diag__X__full(X, Y):
@@ -883,8 +867,8 @@ def mse__diag__X__full(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -897,34 +881,33 @@ def mse__diag__X__full(X, Y):
     t11 = M_Z * P_Z
     Z = t11
     F = Z
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t9 * G * M_Z
-    t16 = t15.sum(-1, keepdims=True)
-    t17 = np.broadcast_to(t16, t16.shape[:-1] + (d_V,))
-    t18 = np.eye(d_V, dtype=Y.dtype)
-    t19 = t9 * G
-    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t9 * G * M_Z
+    t15 = t14.sum(-1, keepdims=True)
+    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
+    t17 = np.eye(d_V, dtype=Y.dtype)
+    t18 = t9 * G
+    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
-    t23 = t9 * M_Z
+    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    t22 = t9 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t23, t20, M_Z, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
+    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t20, t23, S24, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S24, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S25, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t20, S26, S24, optimize=[(0, 1), (0, 1)])
-    t28 = np.ones((L,), dtype=Y.dtype)
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
+    t27 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t18, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t28, optimize=[(0, 1)])
-    t30 = (1/n_batch) * S29
-    t0[...] = oe.contract('abcd,bdc->bc', S27, t30, optimize=[(0, 1)])
+    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
+    t29 = (1/n_batch) * S28
+    t0[...] = oe.contract('abcd,bdc->bc', S26, t29, optimize=[(0, 1)])
     return out
 
 
@@ -935,8 +918,8 @@ def mse__trace__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -949,33 +932,32 @@ def mse__trace__X__full(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t22 = t8 * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t21 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
+    t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S26, S28, optimize=[(0, 1)])
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S25, S27, optimize=[(0, 1)])
 
 
 def mse__block__X__X__full(X, Y):
@@ -989,8 +971,8 @@ def mse__block__X__X__full(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1003,34 +985,33 @@ def mse__block__X__X__full(X, Y):
     t12 = M_Z * P_Z
     Z = t12
     F = Z
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t10 * G * M_Z
-    t17 = t16.sum(-1, keepdims=True)
-    t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
-    t19 = np.eye(d_V, dtype=Y.dtype)
-    t20 = t10 * G
-    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t10 * G * M_Z
+    t16 = t15.sum(-1, keepdims=True)
+    t17 = np.broadcast_to(t16, t16.shape[:-1] + (d_V,))
+    t18 = np.eye(d_V, dtype=Y.dtype)
+    t19 = t10 * G
+    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t10 * M_Z
+    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    t23 = t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t21, M_Z, optimize=[(0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t23, t20, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t21, t24, optimize=[(0, 1), (0, 1)])
+    S26 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t21, t24, S25, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S25, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S26, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t21, S27, S25, optimize=[(0, 1), (0, 1)])
-    t29 = np.ones((L,), dtype=Y.dtype)
+    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t20, t23, S24, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S24, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S25, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t20, S26, S24, optimize=[(0, 1), (0, 1)])
+    t28 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('ab,c->cab', t19, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t29, optimize=[(0, 1)])
-    t31 = (1/n_batch) * S30
-    t1 += oe.contract('abcd,bde->bce', S28, t31, optimize=[(0, 1)])
+    S29 = oe.contract('ab,c->cab', t18, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t28, optimize=[(0, 1)])
+    t30 = (1/n_batch) * S29
+    t1 += oe.contract('abcd,bde->bce', S27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1041,8 +1022,8 @@ def mse__frobenius__X__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1055,35 +1036,34 @@ def mse__frobenius__X__X__full(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t22 = t8 * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t21 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
+    t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return t30
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1093,8 +1073,8 @@ def mse__frobenius_split__X__X(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1120,29 +1100,28 @@ def mse__frobenius_split__X__X(X, Y):
     t18 = M_Z * P_Z
     Z = t18
     F = Z
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t11 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t11 * G
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t11 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t11 * G
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t25, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t10, M_Z, optimize=[(1, 2), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t10, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t25, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S28, optimize=[(0, 1), (0, 1)])
+    S28 = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S28, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S29, optimize=[(0, 1)])
-    t31 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S30, S16, S30, S16, optimize=[(0, 1), (1, 2), (0, 1)])
-    t32 = (2/n_batch) * oe.contract('abc,acd,ade,fabg,age->', S13, S14, S16, S30, S16, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t33 = t17 + t31 + t32
-    t34 = np.sqrt(np.maximum(t17, 0.0))
-    t35 = np.sqrt(np.maximum(t31, 0.0))
-    t36 = np.sqrt(np.maximum(t33, 0.0))
-    return (t34, t35, t36,)
+    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S28, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S29, S16, S29, S16, optimize=[(0, 1), (1, 2), (0, 1)])
+    t31 = (2/n_batch) * oe.contract('abc,acd,ade,fabg,age->', S13, S14, S16, S29, S16, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
+    t32 = t17 + t30 + t31
+    t33 = np.sqrt(np.maximum(t17, 0.0))
+    t34 = np.sqrt(np.maximum(t30, 0.0))
+    t35 = np.sqrt(np.maximum(t32, 0.0))
+    return (t33, t34, t35,)
 
 
 def jacobian__X(X):
@@ -1151,8 +1130,8 @@ def jacobian__X(X):
     d_V = X.shape[-1]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1183,8 +1162,8 @@ def jacobian_compact__X(X):
     d_V = X.shape[-1]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1213,8 +1192,8 @@ def ce__loss(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1231,7 +1210,7 @@ def ce__loss(X, Y):
     t13 = t12.sum(-1, keepdims=True)
     t14 = t13.sum(-2, keepdims=True)
     t15 = (-1/L) * t14
-    return t15.mean(0)[0, 0]
+    return (t15[0] if n_batch == 1 else t15.mean(0))[0, 0]
 
 
 def ce__gradient(X, Y):
@@ -1241,8 +1220,8 @@ def ce__gradient(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1260,23 +1239,22 @@ def ce__gradient(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = t20 * M_Z
-    t22 = (2/d_V) * t21
-    t23 = G * P_Z
-    t24 = (-2/d_V**2) * t21
-    t25 = (-1/d_V) * t23
-    t26 = t24 + t25
-    t27 = t26.sum(-1, keepdims=True)
-    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
-    t29 = t22 + t23 + t28
-    return (t29.mean(0),)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = t19 * M_Z
+    t21 = (2/d_V) * t20
+    t22 = G * P_Z
+    t23 = (2/d_V**2) * t20
+    t24 = (1/d_V) * t22
+    t25 = -t23 - t24
+    t26 = t25.sum(-1, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
+    t28 = t21 + t22 + t27
+    return ((t28[0] if n_batch == 1 else t28.mean(0)),)
 
 
 def ce__hessian__outer(X, Y):
@@ -1293,8 +1271,8 @@ def ce__hessian__outer(X, Y):
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
     t5 = X.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = (-1/d_V) * t6
-    t8 = t7 + X
+    t7 = (1/d_V) * t6
+    t8 = X - t7
     M_Z = t8
     t9 = M_Z * M_Z
     t10 = t9.sum(-1, keepdims=True)
@@ -1336,8 +1314,8 @@ def ce__hvp__outer(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1355,8 +1333,8 @@ def ce__hvp__outer(X, Y, V_X):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = V_X.sum(-1, keepdims=True)
     t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
-    t16 = (-1/d_V) * t15
-    t17 = t16 + V_X
+    t16 = (1/d_V) * t15
+    t17 = V_X - t16
     t18 = t17 * P_Z
     t19 = t17 * M_Z
     t20 = t19.sum(-1, keepdims=True)
@@ -1373,13 +1351,13 @@ def ce__hvp__outer(X, Y, V_X):
     t31 = (2/(L*d_V)) * t30
     t32 = t10 * P_Z * t26
     t33 = (1/L) * t32
-    t34 = (-2/(L*d_V**2)) * t30
-    t35 = (-1/(L*d_V)) * t32
-    t36 = t34 + t35
+    t34 = (2/(L*d_V**2)) * t30
+    t35 = (1/(L*d_V)) * t32
+    t36 = -t34 - t35
     t37 = t36.sum(-1, keepdims=True)
     t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
     t39 = t31 + t33 + t38
-    return (t39.mean(0),)
+    return ((t39[0] if n_batch == 1 else t39.mean(0)),)
 
 
 def ce__frobenius_all__outer(X, Y):
@@ -1391,8 +1369,8 @@ def ce__frobenius_all__outer(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1438,8 +1416,8 @@ def ce__diag__X__outer(X, Y):
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -1483,8 +1461,8 @@ def ce__trace__X__outer(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1530,8 +1508,8 @@ def ce__block__X__X__outer(X, Y):
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -1575,8 +1553,8 @@ def ce__frobenius__X__X__outer(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1623,8 +1601,8 @@ def ce__hessian__functional(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -1642,29 +1620,28 @@ def ce__hessian__functional(X, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t13 * A
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t11 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t24 = np.eye(d_V, dtype=Y.dtype)
-    t25 = t11 * G
-    t26 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t11 * G * M_Z
+    t21 = t20.sum(-1, keepdims=True)
+    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t23 = np.eye(d_V, dtype=Y.dtype)
+    t24 = t11 * G
+    t25 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t25, t24, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t26, M_Z, optimize=[(1, 2), (0, 1)])
+    S = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t25, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t25, t26, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t26, S, optimize=[(0, 1), (0, 1)])
+    S28 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t26, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t26, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t26, S29, optimize=[(0, 1)])
-    t31 = np.ones((L,), dtype=Y.dtype)
+    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S28, optimize=[(0, 1)])
+    t30 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('ab,c->cab', t24, t31, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t26, t31, optimize=[(0, 1)])
-    t33 = (1/n_batch) * S32
-    t2 += oe.contract('abcd,bde->bce', S30, t33, optimize=[(0, 1)])
+    S31 = oe.contract('ab,c->cab', t23, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t30, optimize=[(0, 1)])
+    t32 = (1/n_batch) * S31
+    t2 += oe.contract('abcd,bde->bce', S29, t32, optimize=[(0, 1)])
     return H
 
 
@@ -1675,12 +1652,12 @@ def ce__hvp__functional(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -1698,37 +1675,34 @@ def ce__hvp__functional(X, Y, V_X):
     t17 = np.exp(F - F.max(-1, keepdims=True))
     A = t17 / t17.sum(-1, keepdims=True)
     t18 = t14 * A
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t12 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t3 * t24
-    t26 = (2/d_V) * t25
-    t27 = t3 * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t30 = t12 * t29 * G
-    t31 = (2/d_V) * t30
-    t32 = t3 * t12 * G
-    t33 = (0.75 * (sigma2_Z ** -2.5))
-    t34 = t33 * t29 * G * M_Z
-    t35 = (2/d_V) * t34
-    t36 = t32 + t35
-    t37 = t36.sum(-1, keepdims=True)
-    t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
-    t39 = t38 * M_Z
-    t40 = (2/d_V) * t39
-    t41 = (-2/d_V**2) * t25
-    t42 = (-2/d_V**2) * t30
-    t43 = (-2/d_V**2) * t39
-    t44 = t41 + t42 + t43
-    t45 = t44.sum(-1, keepdims=True)
-    t46 = np.broadcast_to(t45, t45.shape[:-1] + (d_V,))
-    t47 = t26 + t31 + t40 + t46
-    return (t47.mean(0),)
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t12 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t3 * t23
+    t25 = (2/d_V) * t24
+    t26 = t3 * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = t12 * t28 * G
+    t30 = (2/d_V) * t29
+    t31 = t3 * t12 * G
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t32 * t28 * G * M_Z
+    t34 = (2/d_V) * t33
+    t35 = t31 + t34
+    t36 = t35.sum(-1, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-1] + (d_V,))
+    t38 = t37 * M_Z
+    t39 = (2/d_V) * t38
+    t40 = -t24 - t29 - t38
+    t41 = (2/d_V**2) * t40
+    t42 = t41.sum(-1, keepdims=True)
+    t43 = np.broadcast_to(t42, t42.shape[:-1] + (d_V,))
+    t44 = t25 + t30 + t39 + t43
+    return ((t44[0] if n_batch == 1 else t44.mean(0)),)
 
 
 def ce__frobenius_all__functional(X, Y):
@@ -1738,8 +1712,8 @@ def ce__frobenius_all__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1757,30 +1731,29 @@ def ce__frobenius_all__functional(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = t8 * G
-    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = t8 * G
+    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
-    t28 = np.ones((L,), dtype=Y.dtype)
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
+    t27 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S27, S29, S27, S29, optimize=[(0, 1), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31,)
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1792,8 +1765,8 @@ def ce__diag__X__functional(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -1811,29 +1784,28 @@ def ce__diag__X__functional(X, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t11 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t9 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t22 = np.eye(d_V, dtype=Y.dtype)
-    t23 = t9 * G
-    t24 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = t9 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = np.eye(d_V, dtype=Y.dtype)
+    t22 = t9 * G
+    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t24, M_Z, optimize=[(1, 2), (0, 1)])
+    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S27, optimize=[(0, 1)])
-    t29 = np.ones((L,), dtype=Y.dtype)
+    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
+    t28 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('ab,c->cab', t22, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t29, optimize=[(0, 1)])
-    t31 = (1/n_batch) * S30
-    t0[...] = oe.contract('abcd,bdc->bc', S28, t31, optimize=[(0, 1)])
+    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
+    t30 = (1/n_batch) * S29
+    t0[...] = oe.contract('abcd,bdc->bc', S27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1844,8 +1816,8 @@ def ce__trace__X__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1863,28 +1835,27 @@ def ce__trace__X__functional(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = t8 * G
-    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = t8 * G
+    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
-    t28 = np.ones((L,), dtype=Y.dtype)
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
+    t27 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S27, S29, optimize=[(0, 1)])
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S26, S28, optimize=[(0, 1)])
 
 
 def ce__block__X__X__functional(X, Y):
@@ -1898,8 +1869,8 @@ def ce__block__X__X__functional(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1917,29 +1888,28 @@ def ce__block__X__X__functional(X, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t12 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = np.eye(d_V, dtype=Y.dtype)
-    t24 = t10 * G
-    t25 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t10 * G * M_Z
+    t20 = t19.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t22 = np.eye(d_V, dtype=Y.dtype)
+    t23 = t10 * G
+    t24 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t25, M_Z, optimize=[(1, 2), (0, 1)])
+    S = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t24, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S28, optimize=[(0, 1)])
-    t30 = np.ones((L,), dtype=Y.dtype)
+    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S27, optimize=[(0, 1)])
+    t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('ab,c->cab', t23, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t30, optimize=[(0, 1)])
-    t32 = (1/n_batch) * S31
-    t1 += oe.contract('abcd,bde->bce', S29, t32, optimize=[(0, 1)])
+    S30 = oe.contract('ab,c->cab', t22, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t29, optimize=[(0, 1)])
+    t31 = (1/n_batch) * S30
+    t1 += oe.contract('abcd,bde->bce', S28, t31, optimize=[(0, 1)])
     return out
 
 
@@ -1950,8 +1920,8 @@ def ce__frobenius__X__X__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1969,30 +1939,29 @@ def ce__frobenius__X__X__functional(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = t8 * G
-    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = t8 * G
+    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
-    t28 = np.ones((L,), dtype=Y.dtype)
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
+    t27 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S27, S29, S27, S29, optimize=[(0, 1), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return t31
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def ce__hessian__full(X, Y):
@@ -2007,8 +1976,8 @@ def ce__hessian__full(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -2026,40 +1995,39 @@ def ce__hessian__full(X, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t13 * A
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t11 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t24 = np.eye(d_V, dtype=Y.dtype)
-    t25 = t11 * G
-    t26 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t27 = t13 * P_Z
-    t28 = np.exp(Z - Z.max(-1, keepdims=True))
-    A29 = t28 / t28.sum(-1, keepdims=True)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t11 * G * M_Z
+    t21 = t20.sum(-1, keepdims=True)
+    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t23 = np.eye(d_V, dtype=Y.dtype)
+    t24 = t11 * G
+    t25 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t26 = t13 * P_Z
+    t27 = np.exp(Z - Z.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A29, t24, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A29, A29, optimize=[(0, 1)])
-    t30 = t11 * M_Z
+    dA = oe.contract('ab,bc->abc', A28, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A28, A28, optimize=[(0, 1)])
+    t29 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t24, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t30, t26, M_Z, optimize=[(0, 1), (0, 1)])
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t29, t25, M_Z, optimize=[(0, 1), (0, 1)])
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t25, t24, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t26, M_Z, optimize=[(1, 2), (0, 1)])
-    t34 = t11 * t13 * M_Z
+    S32 = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t25, M_Z, optimize=[(1, 2), (0, 1)])
+    t33 = t11 * t13 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t27, t24, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t26, t34, optimize=[(0, 1), (0, 1)])
+    S34 = oe.contract('abc,cd->abcd', t26, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t25, t33, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t25, t26, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t26, S33, optimize=[(0, 1), (0, 1)])
+    S35 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t26, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t27, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t26, S33, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t26, t34, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t26, S35, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t26, S36, optimize=[(0, 1)])
-    t38 = np.ones((L,), dtype=Y.dtype)
+    S36 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t26, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t25, t33, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t25, S34, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S35, optimize=[(0, 1)])
+    t37 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = oe.contract('ab,c->cab', t24, t38, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t26, t38, optimize=[(0, 1)])
-    t40 = (1/n_batch) * S39
-    t2 += oe.contract('abcd,bde->bce', S37, t40, optimize=[(0, 1)])
+    S38 = oe.contract('ab,c->cab', t23, t37, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t37, optimize=[(0, 1)])
+    t39 = (1/n_batch) * S38
+    t2 += oe.contract('abcd,bde->bce', S36, t39, optimize=[(0, 1)])
     return H
 
 
@@ -2070,14 +2038,14 @@ def ce__hvp__full(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = X.sum(-1, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = (-1/d_V) * t7
-    t9 = t8 + X
+    t8 = (1/d_V) * t7
+    t9 = X - t8
     M_Z = t9
     t10 = M_Z * M_Z
     t11 = t10.sum(-1, keepdims=True)
@@ -2092,49 +2060,46 @@ def ce__hvp__full(X, Y, V_X):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t5 * A
-    t18 = (2/(L*d_V)) * t17
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    t21 = (-0.5 * (sigma2_Z ** -1.5))
-    t22 = t20 * t21 * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t3 * t24
-    t26 = (1/L) * t17
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    t29 = t3 * M_Z
-    t30 = t29.sum(-1, keepdims=True)
-    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
-    t32 = t28 * t21 * t31
-    t33 = (2/d_V) * t32
-    t34 = t3 * t20 * t21
-    t35 = (0.75 * (sigma2_Z ** -2.5))
-    t36 = t20 * t35 * t31 * M_Z
+    t18 = t17 - Y
+    t19 = (2/(L*d_V)) * t18
+    t20 = (-0.5 * (sigma2_Z ** -1.5))
+    t21 = t19 * t20 * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t3 * t23
+    t25 = (1/L) * t18
+    t26 = t3 * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = t25 * t20 * t28
+    t30 = (2/d_V) * t29
+    t31 = t3 * t19 * t20
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t19 * t32 * t28 * M_Z
+    t34 = (2/d_V) * t33
+    t35 = t3 * P_Z
+    t36 = t20 * t28 * M_Z
     t37 = (2/d_V) * t36
-    t38 = t3 * P_Z
-    t39 = t21 * t31 * M_Z
-    t40 = (2/d_V) * t39
-    t41 = t38 + t40
-    t42 = t41 - (A * t41).sum(-1, keepdims=True)
-    t43 = A * t42
-    t44 = t21 * t5 * M_Z * t43
-    t45 = (2/(L*d_V)) * t44
-    t46 = t34 + t37 + t45
-    t47 = t46.sum(-1, keepdims=True)
-    t48 = np.broadcast_to(t47, t47.shape[:-1] + (d_V,))
-    t49 = t48 * M_Z
-    t50 = t5 * P_Z * t43
-    t51 = (1/L) * t50
-    t52 = (-1/d_V) * t25
-    t53 = (-2/d_V**2) * t32
-    t54 = (-1/d_V) * t49
-    t55 = (-1/(L*d_V)) * t50
-    t56 = t52 + t53 + t54 + t55
-    t57 = t56.sum(-1, keepdims=True)
-    t58 = np.broadcast_to(t57, t57.shape[:-1] + (d_V,))
-    t59 = t25 + t33 + t49 + t51 + t58
-    return (t59.mean(0),)
+    t38 = t35 + t37
+    t39 = t38 - (A * t38).sum(-1, keepdims=True)
+    t40 = A * t39
+    t41 = t20 * t5 * M_Z * t40
+    t42 = (2/(L*d_V)) * t41
+    t43 = t31 + t34 + t42
+    t44 = t43.sum(-1, keepdims=True)
+    t45 = np.broadcast_to(t44, t44.shape[:-1] + (d_V,))
+    t46 = t45 * M_Z
+    t47 = t5 * P_Z * t40
+    t48 = (1/L) * t47
+    t49 = (1/d_V) * t24
+    t50 = (2/d_V**2) * t29
+    t51 = (1/d_V) * t46
+    t52 = (1/(L*d_V)) * t47
+    t53 = -t49 - t50 - t51 - t52
+    t54 = t53.sum(-1, keepdims=True)
+    t55 = np.broadcast_to(t54, t54.shape[:-1] + (d_V,))
+    t56 = t24 + t30 + t46 + t48 + t55
+    return ((t56[0] if n_batch == 1 else t56.mean(0)),)
 
 
 def ce__frobenius_all__full(X, Y):
@@ -2144,8 +2109,8 @@ def ce__frobenius_all__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -2163,41 +2128,40 @@ def ce__frobenius_all__full(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = t8 * G
-    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = t10 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = t8 * G
+    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t23 = t10 * P_Z
+    t24 = np.exp(Z - Z.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
-    t31 = t8 * t10 * M_Z
+    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t30 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
+    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
-    t35 = np.ones((L,), dtype=Y.dtype)
+    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
+    t34 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
-    t37 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S34, S36, S34, S36, optimize=[(0, 1), (1, 2), (0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    return (t38,)
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return (t37,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2209,8 +2173,8 @@ def ce__diag__X__full(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -2228,40 +2192,39 @@ def ce__diag__X__full(X, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t11 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t9 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t22 = np.eye(d_V, dtype=Y.dtype)
-    t23 = t9 * G
-    t24 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t25 = t11 * P_Z
-    t26 = np.exp(Z - Z.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = t9 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = np.eye(d_V, dtype=Y.dtype)
+    t22 = t9 * G
+    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t24 = t11 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A27, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
-    t28 = t9 * M_Z
+    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
+    t27 = t9 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t24, M_Z, optimize=[(0, 1), (0, 1)])
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
+    t28 = (0.75 * (sigma2_Z ** -2.5))
+    t29 = t28 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t24, M_Z, optimize=[(1, 2), (0, 1)])
-    t32 = t9 * t11 * M_Z
+    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    t31 = t9 * t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t25, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t24, t32, optimize=[(0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)])
+    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t25, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t24, t32, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t24, S33, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S34, optimize=[(0, 1)])
-    t36 = np.ones((L,), dtype=Y.dtype)
+    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
+    t35 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = oe.contract('ab,c->cab', t22, t36, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t36, optimize=[(0, 1)])
-    t38 = (1/n_batch) * S37
-    t0[...] = oe.contract('abcd,bdc->bc', S35, t38, optimize=[(0, 1)])
+    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
+    t37 = (1/n_batch) * S36
+    t0[...] = oe.contract('abcd,bdc->bc', S34, t37, optimize=[(0, 1)])
     return out
 
 
@@ -2272,8 +2235,8 @@ def ce__trace__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -2291,39 +2254,38 @@ def ce__trace__X__full(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = t8 * G
-    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = t10 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = t8 * G
+    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t23 = t10 * P_Z
+    t24 = np.exp(Z - Z.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
-    t31 = t8 * t10 * M_Z
+    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t30 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
+    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
-    t35 = np.ones((L,), dtype=Y.dtype)
+    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
+    t34 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S34, S36, optimize=[(0, 1)])
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S33, S35, optimize=[(0, 1)])
 
 
 def ce__block__X__X__full(X, Y):
@@ -2337,8 +2299,8 @@ def ce__block__X__X__full(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -2356,40 +2318,39 @@ def ce__block__X__X__full(X, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t12 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = np.eye(d_V, dtype=Y.dtype)
-    t24 = t10 * G
-    t25 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t26 = t12 * P_Z
-    t27 = np.exp(Z - Z.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t10 * G * M_Z
+    t20 = t19.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t22 = np.eye(d_V, dtype=Y.dtype)
+    t23 = t10 * G
+    t24 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t25 = t12 * P_Z
+    t26 = np.exp(Z - Z.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A28, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A28, A28, optimize=[(0, 1)])
-    t29 = t10 * M_Z
+    dA = oe.contract('ab,bc->abc', A27, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
+    t28 = t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t29, t25, M_Z, optimize=[(0, 1), (0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t24, M_Z, optimize=[(0, 1), (0, 1)])
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t25, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t10 * t12 * M_Z
+    S31 = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t24, M_Z, optimize=[(1, 2), (0, 1)])
+    t32 = t10 * t12 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t26, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t25, t33, optimize=[(0, 1), (0, 1)])
+    S33 = oe.contract('abc,cd->abcd', t25, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t24, t32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)])
+    S34 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t26, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t25, t33, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t25, S34, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S35, optimize=[(0, 1)])
-    t37 = np.ones((L,), dtype=Y.dtype)
+    S35 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t25, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t24, t32, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t24, S33, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S34, optimize=[(0, 1)])
+    t36 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = oe.contract('ab,c->cab', t23, t37, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t37, optimize=[(0, 1)])
-    t39 = (1/n_batch) * S38
-    t1 += oe.contract('abcd,bde->bce', S36, t39, optimize=[(0, 1)])
+    S37 = oe.contract('ab,c->cab', t22, t36, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t36, optimize=[(0, 1)])
+    t38 = (1/n_batch) * S37
+    t1 += oe.contract('abcd,bde->bce', S35, t38, optimize=[(0, 1)])
     return out
 
 
@@ -2400,8 +2361,8 @@ def ce__frobenius__X__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -2419,41 +2380,40 @@ def ce__frobenius__X__X__full(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = t8 * G
-    t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = t10 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = t8 * G
+    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t23 = t10 * P_Z
+    t24 = np.exp(Z - Z.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
-    t31 = t8 * t10 * M_Z
+    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t30 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
+    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
-    t35 = np.ones((L,), dtype=Y.dtype)
+    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
+    t34 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
-    t37 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S34, S36, S34, S36, optimize=[(0, 1), (1, 2), (0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    return t38
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return t37
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2465,8 +2425,8 @@ def ce__frobenius_split__X__X(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -2501,29 +2461,28 @@ def ce__frobenius_split__X__X(X, Y):
     t24 = np.exp(F - F.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = t1 * A25
-    t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = t14 * G * M_Z
-    t31 = t30.sum(-1, keepdims=True)
-    t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
-    t33 = t14 * G
-    t34 = (0.75 * (sigma2_Z ** -2.5))
-    t35 = t34 * G * M_Z
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t14 * G * M_Z
+    t30 = t29.sum(-1, keepdims=True)
+    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
+    t32 = t14 * G
+    t33 = (0.75 * (sigma2_Z ** -2.5))
+    t34 = t33 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('abc,cd->abcd', t33, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t35, t13, M_Z, optimize=[(1, 2), (0, 1)])
+    S35 = oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t13, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t33, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S36, optimize=[(0, 1), (0, 1)])
+    S36 = oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t33, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S36, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S37, optimize=[(0, 1)])
-    t39 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S38, S22, S38, S22, optimize=[(0, 1), (1, 2), (0, 1)])
-    t40 = (2/n_batch**2) * oe.contract('abcd,bde,bef,bfg,hbci,big->', S16, dA, S20, S22, S38, S22, optimize=[(0, 4), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t41 = t23 + t39 + t40
-    t42 = np.sqrt(np.maximum(t23, 0.0))
-    t43 = np.sqrt(np.maximum(t39, 0.0))
-    t44 = np.sqrt(np.maximum(t41, 0.0))
-    return (t42, t43, t44,)
+    S37 = (2/d_V) * oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S36, optimize=[(0, 1)])
+    t38 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S37, S22, S37, S22, optimize=[(0, 1), (1, 2), (0, 1)])
+    t39 = (2/n_batch**2) * oe.contract('abcd,bde,bef,bfg,hbci,big->', S16, dA, S20, S22, S37, S22, optimize=[(0, 4), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t40 = t23 + t38 + t39
+    t41 = np.sqrt(np.maximum(t23, 0.0))
+    t42 = np.sqrt(np.maximum(t38, 0.0))
+    t43 = np.sqrt(np.maximum(t40, 0.0))
+    return (t41, t42, t43,)
 
 
 VARIANTS = {

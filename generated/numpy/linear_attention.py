@@ -35,13 +35,12 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = X @ W_V
     t7 = T @ t6
-    t8 = -Y
-    t9 = t7 + t8
-    t10 = t9 * t9
-    t11 = t10.sum(-1, keepdims=True)
-    t12 = t11.sum(-2, keepdims=True)
-    t13 = (1/(L*d_V)) * t12
-    return t13.mean(0)[0, 0]
+    t8 = t7 - Y
+    t9 = t8 * t8
+    t10 = t9.sum(-1, keepdims=True)
+    t11 = t10.sum(-2, keepdims=True)
+    t12 = (1/(L*d_V)) * t11
+    return (t12[0] if n_batch == 1 else t12.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -51,37 +50,32 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(X, -1, -2)
-    t1 = np.swapaxes(W_K, -1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = t0 @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = W_V @ t18
-    t20 = X @ t19
-    t21 = X @ W_Q
-    t22 = t20 @ t21
-    t23 = t0 @ t22
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = np.swapaxes(T, -1, -2)
-    t26 = t25 @ G
-    t27 = t0 @ t26
-    return (t17.mean(0), t24.mean(0), t27.mean(0),)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = G @ t10
+    t12 = t0 @ t11
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = t12 @ t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = np.swapaxes(t11, -1, -2)
+    t17 = t0 @ t16
+    t18 = t17 @ t1
+    t19 = (1/math.sqrt(d_K)) * t18
+    t20 = np.swapaxes(T, -1, -2)
+    t21 = t0 @ t20
+    t22 = t21 @ G
+    return ((t15[0] if n_batch == 1 else t15.mean(0)), (t19[0] if n_batch == 1 else t19.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -96,81 +90,76 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t2 = np.swapaxes(X, -1, -2)
     t3 = t2 @ X
     t4 = np.swapaxes(W_K, -1, -2)
-    t5 = np.swapaxes(W_V, -1, -2)
-    t6 = t4 @ t2
-    t7 = t5 @ t2
+    t5 = t4 @ t2
+    t6 = np.swapaxes(W_V, -1, -2)
+    t7 = t6 @ t2
     t8 = W_V @ t7
     t9 = X @ t8
-    t10 = X @ W_K
+    t10 = np.swapaxes(t5, -1, -2)
     t11 = t9 @ t10
-    t12 = t6 @ t11
+    t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
     t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
     t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
     t16 = X @ W_Q
     t17 = t2 @ t16
-    t18 = t9 @ X
-    t19 = t6 @ t18
+    t18 = np.swapaxes(t11, -1, -2)
+    t19 = t18 @ X
     t20 = (2/(L*d_K*d_V*n_batch)) * t17
     t15[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
-    t23 = W_Q @ t6
-    t24 = X @ t23
-    t25 = (1/math.sqrt(d_K)) * t24
-    T = t25
-    t26 = T @ X
-    t27 = t2 @ t26
-    t28 = X @ W_V
-    t29 = t6 @ t28
-    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
-    t22[...] = oe.contract('abc,ade->bdce', t30, t29, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = t2 @ t11
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t35 = t34 @ t2
-    t36 = t35 @ X
-    t37 = (2/(L*d_K*d_V*n_batch)) * t33
-    t32[...] = oe.contract('abc,ade->bdec', t37, t36, optimize=[(0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t40 = t2 @ t18
-    t41 = t35 @ t16
-    t42 = (2/(L*d_K*d_V*n_batch)) * t40
-    t39[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
-    t45 = t2 @ t28
-    t46 = t35 @ t26
-    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t44[...] = oe.contract('abc,ade->bdec', t47, t46, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = np.swapaxes(T, -1, -2)
-    t51 = t50 @ X
-    t52 = t2 @ t51
-    t53 = t7 @ t10
-    t54 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
-    t49[...] = oe.contract('abc,ade->bdce', t54, t53, optimize=[(0, 1)])
-    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_V, d_V, d_K), copy=False)
-    t57 = t50 @ t16
-    t58 = t2 @ t57
-    t59 = t7 @ X
-    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
-    t56[...] = oe.contract('abc,ade->bdec', t60, t59, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
-    t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
-    t63 = np.einsum('abcb->abc', t62)
-    t64 = t50 @ T
-    t65 = t64 @ X
-    t66 = t2 @ t65
-    t67 = np.ones((d_V,), dtype=X.dtype)
-    t68 = (2/(L*d_V*n_batch)) * t67
-    t63 += oe.contract('abc,d->bdc', t66, t68, optimize=[(0, 1)])
+    t23 = t16 @ t5
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = T @ X
+    t26 = t2 @ t25
+    t27 = np.swapaxes(t7, -1, -2)
+    t28 = t5 @ t27
+    t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t26
+    t22[...] = oe.contract('abc,ade->bdce', t29, t28, optimize=[(0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
+    t32 = np.swapaxes(t19, -1, -2)
+    t33 = np.swapaxes(t17, -1, -2)
+    t34 = (2/(L*d_K*d_V*n_batch)) * t32
+    t31[...] = oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t37 = t9 @ X
+    t38 = t2 @ t37
+    t39 = np.swapaxes(t16, -1, -2)
+    t40 = t39 @ t16
+    t41 = (2/(L*d_K*d_V*n_batch)) * t38
+    t36[...] = oe.contract('abc,ade->bdce', t41, t40, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
+    t44 = t2 @ t27
+    t45 = t39 @ t25
+    t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
+    t43[...] = oe.contract('abc,ade->bdec', t46, t45, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
+    t49 = np.swapaxes(t26, -1, -2)
+    t50 = np.swapaxes(t28, -1, -2)
+    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t49
+    t48[...] = oe.contract('abc,ade->bdce', t51, t50, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = np.swapaxes(t45, -1, -2)
+    t55 = np.swapaxes(t44, -1, -2)
+    t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
+    t53[...] = oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57[...] = 0
+    t58 = np.reshape(t57, (d_V, d_V, d_V, d_V), copy=False)
+    t59 = np.einsum('abcb->abc', t58)
+    t60 = np.swapaxes(t25, -1, -2)
+    t61 = t60 @ t25
+    t62 = np.ones((d_V,), dtype=X.dtype)
+    t63 = (2/(L*d_V*n_batch)) * t62
+    t59 += oe.contract('abc,d->bdc', t61, t63, optimize=[(0, 1)])
     return H
 
 
@@ -185,60 +174,34 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t2 = t1 @ t0
     t3 = V_W_Q @ t2
     t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t5 = X @ W_Q
     t6 = np.swapaxes(V_W_K, -1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
-    t12 = X @ W_V
-    t13 = t11 @ t12
-    t14 = (2/(L*d_V)) * t13
-    t15 = W_Q @ t2
-    t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    T = t17
-    t18 = X @ V_W_V
-    t19 = T @ t18
-    t20 = (2/(L*d_V)) * t19
-    t21 = t14 + t20
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = t22 @ t0
-    t24 = t21 @ t23
-    t25 = X @ W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
+    t11 = X @ W_V
+    t12 = t10 @ t11
+    t13 = t5 @ t2
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = T @ X
+    t16 = t15 @ V_W_V
+    t17 = t12 + t16
+    t18 = (2/(L*d_V)) * t17
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = t18 @ t19
+    t21 = t0 @ t20
+    t22 = np.swapaxes(t2, -1, -2)
+    t23 = t21 @ t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = np.swapaxes(t20, -1, -2)
+    t26 = t0 @ t25
+    t27 = t26 @ t5
     t28 = (1/math.sqrt(d_K)) * t27
-    t29 = np.swapaxes(V_W_V, -1, -2)
-    t30 = np.swapaxes(T, -1, -2)
-    t31 = t0 @ t30
-    t32 = t29 @ t31
-    t33 = (2/(L*d_V)) * t32
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t35 = t34 @ t0
-    t36 = V_W_K @ t35
-    t37 = X @ t36
-    t38 = (1/math.sqrt(d_K)) * t37
-    t39 = np.swapaxes(V_W_Q, -1, -2)
-    t40 = t39 @ t0
-    t41 = W_K @ t40
-    t42 = X @ t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = t38 + t43
-    t45 = t0 @ t44
-    t46 = t22 @ t45
-    t47 = (2/(L*d_V)) * t46
-    t48 = t33 + t47
-    t49 = W_V @ t48
-    t50 = X @ t49
-    t51 = X @ W_Q
-    t52 = t50 @ t51
-    t53 = t0 @ t52
-    t54 = (1/math.sqrt(d_K)) * t53
-    t55 = t30 @ t21
-    t56 = t0 @ t55
-    return (t28.mean(0), t54.mean(0), t56.mean(0),)
+    t29 = np.swapaxes(t15, -1, -2)
+    t30 = t29 @ t18
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -250,63 +213,58 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
     t13 = X @ W_Q
     t14 = t0 @ t13
-    t15 = t7 @ X
-    t16 = t4 @ t15
+    t15 = np.swapaxes(t9, -1, -2)
+    t16 = t15 @ X
     t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t16, t14, t16, optimize=[(0, 2), (0, 1), (0, 1)])
     t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = W_Q @ t4
-    t20 = X @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    T = t21
-    t22 = T @ X
-    t23 = t0 @ t22
-    t24 = X @ W_V
-    t25 = t4 @ t24
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t25, t23, t25, optimize=[(0, 2), (0, 1), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = t0 @ t9
-    t29 = np.swapaxes(W_Q, -1, -2)
-    t30 = t29 @ t0
-    t31 = t30 @ X
-    t32 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t28, t31, t28, t31, optimize=[(0, 2), (0, 1), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    t34 = t0 @ t15
-    t35 = t30 @ t13
-    t36 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t34, t35, t34, t35, optimize=[(0, 2), (0, 1), (0, 1)])
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = t0 @ t24
-    t39 = t30 @ t22
-    t40 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t38, t39, t38, t39, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = np.swapaxes(T, -1, -2)
-    t43 = t42 @ X
-    t44 = t0 @ t43
-    t45 = t5 @ t8
-    t46 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t44, t45, t44, t45, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = np.sqrt(np.maximum(t46, 0.0))
-    t48 = t42 @ t13
-    t49 = t0 @ t48
-    t50 = t5 @ X
-    t51 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t49, t50, t49, t50, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = t13 @ t3
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = T @ X
+    t22 = t0 @ t21
+    t23 = np.swapaxes(t5, -1, -2)
+    t24 = t3 @ t23
+    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t24, t22, t24, optimize=[(0, 2), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = np.swapaxes(t16, -1, -2)
+    t28 = np.swapaxes(t14, -1, -2)
+    t29 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t28, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = t7 @ X
+    t32 = t0 @ t31
+    t33 = np.swapaxes(t13, -1, -2)
+    t34 = t33 @ t13
+    t35 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t32, t34, t32, t34, optimize=[(0, 2), (0, 1), (0, 1)])
+    t36 = np.sqrt(np.maximum(t35, 0.0))
+    t37 = t0 @ t23
+    t38 = t33 @ t21
+    t39 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t37, t38, t37, t38, optimize=[(0, 2), (0, 1), (0, 1)])
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    t41 = np.swapaxes(t22, -1, -2)
+    t42 = np.swapaxes(t24, -1, -2)
+    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    t45 = np.swapaxes(t38, -1, -2)
+    t46 = np.swapaxes(t37, -1, -2)
+    t47 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t45, t46, t45, t46, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 = np.sqrt(np.maximum(t47, 0.0))
+    t49 = np.swapaxes(t21, -1, -2)
+    t50 = t49 @ t21
+    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
     t52 = np.sqrt(np.maximum(t51, 0.0))
-    t53 = t42 @ T
-    t54 = t53 @ X
-    t55 = t0 @ t54
-    t56 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t55, t55, optimize=[(0, 1)])
-    t57 = np.sqrt(np.maximum(t56, 0.0))
-    return (t12, t18, t27, t33, t37, t41, t47, t52, t57,)
+    return (t12, t18, t26, t30, t36, t40, t44, t48, t52,)
 
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -320,14 +278,14 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t1 @ X
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = np.swapaxes(W_V, -1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = np.swapaxes(t4, -1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
@@ -342,14 +300,14 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
 
 
@@ -364,14 +322,14 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t1 @ X
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = np.swapaxes(W_V, -1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = np.swapaxes(t4, -1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
@@ -386,14 +344,14 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
     return t12
@@ -411,13 +369,13 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t2 = X @ W_Q
     t3 = t1 @ t2
     t4 = np.swapaxes(W_K, -1, -2)
-    t5 = np.swapaxes(W_V, -1, -2)
-    t6 = t4 @ t1
-    t7 = t5 @ t1
+    t5 = t4 @ t1
+    t6 = np.swapaxes(W_V, -1, -2)
+    t7 = t6 @ t1
     t8 = W_V @ t7
     t9 = X @ t8
     t10 = t9 @ X
-    t11 = t6 @ t10
+    t11 = t5 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
     t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
     return out
@@ -433,13 +391,13 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_Q
     t2 = t0 @ t1
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = np.swapaxes(W_V, -1, -2)
-    t5 = t3 @ t0
-    t6 = t4 @ t0
+    t4 = t3 @ t0
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t0
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = t8 @ X
-    t10 = t5 @ t9
+    t10 = t4 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
     return t12
@@ -508,7 +466,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = np.swapaxes(W_Q, -1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
@@ -530,7 +488,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = np.swapaxes(W_Q, -1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
 
@@ -598,7 +556,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = np.swapaxes(W_Q, -1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
@@ -620,7 +578,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = np.swapaxes(W_Q, -1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
@@ -639,15 +597,15 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t2 = X @ W_V
     t3 = t1 @ t2
     t4 = np.swapaxes(W_Q, -1, -2)
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = t4 @ t1
+    t5 = t4 @ t1
+    t6 = np.swapaxes(t5, -1, -2)
+    t7 = np.swapaxes(W_K, -1, -2)
+    t8 = t7 @ t1
+    t9 = t6 @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
     t11 = T @ X
-    t12 = t10 @ t11
+    t12 = t5 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
     t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
     return out
@@ -663,15 +621,15 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_V
     t2 = t0 @ t1
     t3 = np.swapaxes(W_Q, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = t3 @ t0
+    t4 = t3 @ t0
+    t5 = np.swapaxes(t4, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
     t10 = T @ X
-    t11 = t9 @ t10
+    t11 = t4 @ t10
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
     t13 = np.sqrt(np.maximum(t12, 0.0))
     return t13
@@ -742,7 +700,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = t1 @ t8
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t1
-    t12 = X @ W_K
+    t12 = np.swapaxes(t3, -1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
@@ -767,7 +725,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = t0 @ t7
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t9 @ t0
-    t11 = X @ W_K
+    t11 = np.swapaxes(t2, -1, -2)
     t12 = t10 @ t11
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
     t14 = np.sqrt(np.maximum(t13, 0.0))
@@ -898,58 +856,50 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t10 = X @ W_V
     t11 = T @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t4
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t4 @ t18
-    t20 = np.ones((d_K,), dtype=X.dtype)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t3 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
-    t24 = t4 @ G
-    t25 = t6 @ X
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t23[...] = oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = np.swapaxes(G, -1, -2)
-    t31 = W_V @ t30
-    t32 = X @ t31
-    t33 = t32 @ X
-    t34 = t4 @ t33
-    t29 += oe.contract('abc,d->bdc', t34, t21, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35[...] = 0
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
-    t38 = t4 @ X
-    t39 = np.swapaxes(W_Q, -1, -2)
-    t40 = t39 @ t4
-    t41 = t40 @ G
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t37[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t45 = X @ W_K
-    t46 = t4 @ t45
-    t47 = t30 @ X
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t44[...] = oe.contract('abc,ade->bdec', t48, t47, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t51 = X @ W_Q
-    t52 = t30 @ t51
-    t50[...] = oe.contract('abc,ade->bdce', t42, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.swapaxes(t10, -1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t4 @ t16
+    t18 = np.ones((d_K,), dtype=X.dtype)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t3 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
+    t22 = t4 @ G
+    t23 = t6 @ X
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t21[...] = oe.contract('abc,ade->bdec', t24, t23, optimize=[(0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t25[...] = 0
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
+    t27 = np.einsum('abcb->abc', t26)
+    t28 = np.swapaxes(t17, -1, -2)
+    t27 += oe.contract('abc,d->bdc', t28, t19, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_V), copy=False)
+    t32 = t4 @ X
+    t33 = np.swapaxes(W_Q, -1, -2)
+    t34 = t33 @ t4
+    t35 = t34 @ G
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t31[...] = oe.contract('abc,ade->bdce', t36, t35, optimize=[(0, 1)])
+    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_V, d_V, d_K), copy=False)
+    t39 = np.swapaxes(t23, -1, -2)
+    t40 = np.swapaxes(t22, -1, -2)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t38[...] = oe.contract('abc,ade->bdec', t41, t40, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
+    t44 = np.swapaxes(t35, -1, -2)
+    t43[...] = oe.contract('abc,ade->bdce', t36, t44, optimize=[(0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
     return H
 
 
@@ -960,62 +910,47 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(X, -1, -2)
-    t1 = np.swapaxes(W_K, -1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(V_W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = t0 @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t0
-    t20 = G @ t19
-    t21 = X @ V_W_K
-    t22 = t20 @ t21
-    t23 = t0 @ t22
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = t17 + t24
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = V_W_V @ t26
-    t28 = X @ t27
-    t29 = X @ W_Q
-    t30 = t28 @ t29
-    t31 = t0 @ t30
-    t32 = (1/math.sqrt(d_K)) * t31
-    t33 = W_V @ t26
-    t34 = X @ t33
-    t35 = X @ V_W_Q
-    t36 = t34 @ t35
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(V_W_V, -1, -2)
+    t11 = t10 @ t0
+    t12 = G @ t11
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = t12 @ t13
+    t15 = np.swapaxes(t6, -1, -2)
+    t16 = G @ t15
+    t17 = X @ V_W_K
+    t18 = t16 @ t17
+    t19 = t14 + t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = t0 @ t20
+    t22 = np.swapaxes(t12, -1, -2)
+    t23 = t22 @ t1
+    t24 = np.swapaxes(t16, -1, -2)
+    t25 = X @ V_W_Q
+    t26 = t24 @ t25
+    t27 = t23 + t26
+    t28 = (1/math.sqrt(d_K)) * t27
+    t29 = t0 @ t28
+    t30 = np.swapaxes(t1, -1, -2)
+    t31 = t17 @ t30
+    t32 = np.swapaxes(t25, -1, -2)
+    t33 = t13 @ t32
+    t34 = t31 + t33
+    t35 = (1/math.sqrt(d_K)) * t34
+    t36 = t35 @ G
     t37 = t0 @ t36
-    t38 = (1/math.sqrt(d_K)) * t37
-    t39 = t32 + t38
-    t40 = np.swapaxes(W_Q, -1, -2)
-    t41 = t40 @ t0
-    t42 = V_W_K @ t41
-    t43 = X @ t42
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = np.swapaxes(V_W_Q, -1, -2)
-    t46 = t45 @ t0
-    t47 = W_K @ t46
-    t48 = X @ t47
-    t49 = (1/math.sqrt(d_K)) * t48
-    t50 = t44 + t49
-    t51 = t50 @ G
-    t52 = t0 @ t51
-    return (t25.mean(0), t39.mean(0), t52.mean(0),)
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -1034,44 +969,36 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = t0 @ G
-    t19 = t2 @ X
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t19, t18, t19, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = G @ t10
+    t12 = t11 @ X
+    t13 = t0 @ t12
+    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    t16 = t0 @ G
+    t17 = t2 @ X
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t16, t17, t16, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = np.swapaxes(t13, -1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = t0 @ X
+    t24 = np.swapaxes(W_Q, -1, -2)
+    t25 = t24 @ t0
+    t26 = t25 @ G
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t26, t23, t26, optimize=[(0, 2), (0, 1), (0, 1)])
     t28 = np.sqrt(np.maximum(t27, 0.0))
-    t29 = t0 @ X
-    t30 = np.swapaxes(W_Q, -1, -2)
-    t31 = t30 @ t0
-    t32 = t31 @ G
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t32, t29, t32, optimize=[(0, 2), (0, 1), (0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    t35 = X @ W_K
-    t36 = t0 @ t35
-    t37 = t22 @ X
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t36, t37, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
-    t39 = np.sqrt(np.maximum(t38, 0.0))
-    t40 = X @ W_Q
-    t41 = t22 @ t40
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t41, t29, t41, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = np.sqrt(np.maximum(t42, 0.0))
-    return (0.0, t17, t21, t28, 0.0, t34, t39, t43, 0.0,)
+    t29 = np.swapaxes(t17, -1, -2)
+    t30 = np.swapaxes(t16, -1, -2)
+    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t30, t29, t30, optimize=[(0, 2), (0, 1), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = np.swapaxes(t26, -1, -2)
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t33, t23, t33, optimize=[(0, 2), (0, 1), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return (0.0, t15, t19, t22, 0.0, t28, t32, t35, 0.0,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1134,18 +1061,16 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 @ X
-    t17 = t2 @ t16
-    t18 = np.ones((d_K,), dtype=X.dtype)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(t8, -1, -2)
+    t13 = G @ t12
+    t14 = t13 @ X
+    t15 = t2 @ t14
+    t16 = np.ones((d_K,), dtype=X.dtype)
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t1 += oe.contract('abc,d->bdc', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1165,18 +1090,16 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = G @ t10
+    t12 = t11 @ X
+    t13 = t0 @ t12
+    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1197,14 +1120,13 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = T @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t1 @ G
-    t13 = t3 @ X
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t1 @ G
+    t12 = t3 @ X
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1224,15 +1146,14 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = t0 @ G
-    t12 = t2 @ X
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t11, t12, t11, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = t0 @ G
+    t11 = t2 @ X
+    t12 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t10, t11, t10, t11, optimize=[(0, 2), (0, 1), (0, 1)])
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1275,18 +1196,17 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = W_V @ t13
-    t15 = X @ t14
-    t16 = t15 @ X
-    t17 = t2 @ t16
-    t18 = np.ones((d_K,), dtype=X.dtype)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = W_V @ t12
+    t14 = X @ t13
+    t15 = t14 @ X
+    t16 = t2 @ t15
+    t17 = np.ones((d_K,), dtype=X.dtype)
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t1 += oe.contract('abc,d->bdc', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1306,18 +1226,17 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(G, -1, -2)
-    t12 = W_V @ t11
-    t13 = X @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(G, -1, -2)
+    t11 = W_V @ t10
+    t12 = X @ t11
+    t13 = t12 @ X
+    t14 = t0 @ t13
+    t15 = (n_batch**(-2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1351,23 +1270,22 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t1 @ X
     t3 = np.swapaxes(W_Q, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t1
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
+    t4 = t3 @ t1
+    t5 = np.swapaxes(t4, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = X @ W_V
+    t11 = T @ t10
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t3 @ t1
-    t15 = t14 @ G
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t14 = t4 @ G
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1380,24 +1298,23 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_Q, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
+    t3 = t2 @ t0
+    t4 = np.swapaxes(t3, -1, -2)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t2 @ t0
-    t14 = t13 @ G
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t14, t1, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t13 = t3 @ G
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1431,23 +1348,21 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = X @ W_K
     t3 = t1 @ t2
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t1
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = t14 @ X
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t16, t15, optimize=[(0, 1)])
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = X @ W_V
+    t9 = T @ t8
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = t12 @ X
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1460,24 +1375,22 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = X @ W_K
     t2 = t0 @ t1
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = t13 @ X
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t14, t2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t3 = np.swapaxes(t1, -1, -2)
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = X @ W_V
+    t8 = T @ t7
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = t11 @ X
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t12, t2, t12, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1499,15 +1412,14 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = X @ W_Q
-    t15 = t13 @ t14
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = X @ W_Q
+    t14 = t12 @ t13
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1528,16 +1440,15 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = T @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = X @ W_Q
-    t14 = t12 @ t13
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t14, t1, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = X @ W_Q
+    t13 = t11 @ t12
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1572,116 +1483,114 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t2 = np.swapaxes(X, -1, -2)
     t3 = t2 @ X
     t4 = np.swapaxes(W_K, -1, -2)
-    t5 = np.swapaxes(W_V, -1, -2)
-    t6 = t4 @ t2
-    t7 = t5 @ t2
+    t5 = t4 @ t2
+    t6 = np.swapaxes(W_V, -1, -2)
+    t7 = t6 @ t2
     t8 = W_V @ t7
     t9 = X @ t8
-    t10 = X @ W_K
+    t10 = np.swapaxes(t5, -1, -2)
     t11 = t9 @ t10
-    t12 = t6 @ t11
+    t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
     t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
     t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t14[...] = 0
     t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
     t16 = np.einsum('abcb->abc', t15)
-    t17 = W_Q @ t6
+    t17 = W_Q @ t5
     t18 = X @ t17
     t19 = (1/math.sqrt(d_K)) * t18
     T = t19
-    t20 = X @ W_V
+    t20 = np.swapaxes(t7, -1, -2)
     t21 = T @ t20
     F = t21
-    t22 = (2/(L*d_V)) * F
-    t23 = (-2/(L*d_V)) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t7
-    t26 = t25 @ X
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t29 = oe.contract('abc,acd->bd', t2, t26, optimize=[(0, 1)])
-    t16 += oe.contract('ab,c->acb', t29, t28, optimize=[(0, 1)])
-    t30 = X @ W_Q
-    t31 = t9 @ X
-    t32 = t6 @ t31
-    t33 = (2/(L*d_K*d_V*n_batch)) * t2
-    t34 = oe.contract('abc,acd->bda', t33, t30, optimize=[(0, 1)])
-    t35 = oe.contract('abc->bca', t32, optimize=[(0,)])
-    t15 += oe.contract('abc,dec->adeb', t34, t35, optimize=[(0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
-    t38 = t6 @ X
-    t39 = T @ X
-    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
-    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
-    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
-    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
-    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t46[...] = 0
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t48 = np.einsum('abcb->abc', t47)
-    t49 = t2 @ t20
-    t50 = np.swapaxes(G, -1, -2)
-    t51 = t50 @ X
-    t52 = oe.contract('abc,acd->bd', t49, t51, optimize=[(0, 1)])
-    t48 += oe.contract('ab,c->acb', t52, t28, optimize=[(0, 1)])
-    t53 = t7 @ t10
-    t54 = np.swapaxes(W_Q, -1, -2)
-    t55 = t54 @ t2
-    t56 = t55 @ X
-    t57 = (2/(L*d_K*d_V*n_batch)) * t49
-    t58 = oe.contract('abc,acd->bda', t57, t53, optimize=[(0, 1)])
-    t59 = oe.contract('abc->bca', t56, optimize=[(0,)])
-    t47 += oe.contract('abc,dec->adeb', t58, t59, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
-    t62 = t2 @ t31
-    t63 = t55 @ t30
-    t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t61[...] = oe.contract('abc,ade->bdce', t64, t63, optimize=[(0, 1)])
-    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66 = np.reshape(t65, (d_V, d_K, d_V, d_V), copy=False)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
-    t69 = oe.contract('abc->bca', t3, optimize=[(0,)])
-    t66[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
-    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t55
-    t71 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
-    t72 = oe.contract('abc,acd->bda', t70, t39, optimize=[(0, 1)])
-    t66 += oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
-    t75 = np.swapaxes(T, -1, -2)
-    t76 = t75 @ X
-    t74[...] = oe.contract('abc,acd,aef->bedf', t40, t76, t53, optimize=[(0, 1), (0, 1)])
-    t77 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
-    t78 = oe.contract('abc->bca', t51, optimize=[(0,)])
-    t74 += oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t80 = np.reshape(t79, (d_V, d_V, d_V, d_K), copy=False)
-    t81 = t50 @ t30
-    t80[...] = oe.contract('abc,acd,aef->bedf', t43, X, t81, optimize=[(0, 1), (0, 1)])
-    t82 = t75 @ t30
-    t83 = t7 @ X
-    t84 = oe.contract('abc,acd->bda', t40, t82, optimize=[(0, 1)])
-    t85 = oe.contract('abc->bca', t83, optimize=[(0,)])
-    t80 += oe.contract('abc,dec->adeb', t84, t85, optimize=[(0, 1)])
-    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t86[...] = 0
-    t87 = np.reshape(t86, (d_V, d_V, d_V, d_V), copy=False)
-    t88 = np.einsum('abcb->abc', t87)
-    t89 = t75 @ T
-    t90 = t89 @ X
-    t91 = t2 @ t90
-    t92 = np.ones((d_V,), dtype=X.dtype)
-    t93 = (2/(L*d_V*n_batch)) * t92
-    t88 += oe.contract('abc,d->bdc', t91, t93, optimize=[(0, 1)])
+    t22 = F - Y
+    t23 = (2/(L*d_V)) * t22
+    G = t23
+    t24 = G @ t7
+    t25 = t24 @ X
+    t26 = np.ones((d_K,), dtype=X.dtype)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
+    t16 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
+    t29 = X @ W_Q
+    t30 = np.swapaxes(t11, -1, -2)
+    t31 = t30 @ X
+    t32 = (2/(L*d_K*d_V*n_batch)) * t2
+    t33 = oe.contract('abc,acd->bda', t32, t29, optimize=[(0, 1)])
+    t34 = oe.contract('abc->bca', t31, optimize=[(0,)])
+    t15 += oe.contract('abc,dec->adeb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = t5 @ X
+    t38 = T @ X
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t40 = oe.contract('abc,cd->bda', t37, W_V, optimize=[(0, 1)])
+    t41 = oe.contract('abc,acd->bda', t39, t38, optimize=[(0, 1)])
+    t36[...] = oe.contract('abc,dec->daeb', t40, t41, optimize=[(0, 1)])
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t43 = oe.contract('abc,acd->bda', t42, G, optimize=[(0, 1)])
+    t44 = oe.contract('abc->bca', t37, optimize=[(0,)])
+    t36 += oe.contract('abc,dec->adeb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t45[...] = 0
+    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
+    t47 = np.einsum('abcb->abc', t46)
+    t48 = t2 @ t20
+    t49 = np.swapaxes(G, -1, -2)
+    t50 = t49 @ X
+    t51 = oe.contract('abc,acd->bd', t48, t50, optimize=[(0, 1)])
+    t47 += oe.contract('ab,c->acb', t51, t27, optimize=[(0, 1)])
+    t52 = t7 @ t10
+    t53 = np.swapaxes(t29, -1, -2)
+    t54 = t53 @ X
+    t55 = (2/(L*d_K*d_V*n_batch)) * t48
+    t56 = oe.contract('abc,acd->bda', t55, t52, optimize=[(0, 1)])
+    t57 = oe.contract('abc->bca', t54, optimize=[(0,)])
+    t46 += oe.contract('abc,dec->adeb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
+    t60 = t9 @ X
+    t61 = t2 @ t60
+    t62 = t53 @ t29
+    t63 = (2/(L*d_K*d_V*n_batch)) * t61
+    t59[...] = oe.contract('abc,ade->bdce', t63, t62, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65 = np.reshape(t64, (d_V, d_K, d_V, d_V), copy=False)
+    t66 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t67 = oe.contract('abc,acd->bda', t66, G, optimize=[(0, 1)])
+    t68 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t65[...] = oe.contract('abc,dec->daeb', t67, t68, optimize=[(0, 1)])
+    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t53
+    t70 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bda', t69, t38, optimize=[(0, 1)])
+    t65 += oe.contract('abc,dec->adeb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
+    t74 = np.swapaxes(T, -1, -2)
+    t75 = t74 @ X
+    t73[...] = oe.contract('abc,acd,aef->bedf', t39, t75, t52, optimize=[(0, 1), (0, 1)])
+    t76 = oe.contract('abc,acd->bda', t42, t10, optimize=[(0, 1)])
+    t77 = oe.contract('abc->bca', t50, optimize=[(0,)])
+    t73 += oe.contract('abc,dec->adeb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t79 = np.reshape(t78, (d_V, d_V, d_V, d_K), copy=False)
+    t80 = t49 @ t29
+    t79[...] = oe.contract('abc,acd,aef->bedf', t42, X, t80, optimize=[(0, 1), (0, 1)])
+    t81 = t74 @ t29
+    t82 = np.swapaxes(t48, -1, -2)
+    t83 = oe.contract('abc,acd->bda', t39, t81, optimize=[(0, 1)])
+    t84 = oe.contract('abc->bca', t82, optimize=[(0,)])
+    t79 += oe.contract('abc,dec->adeb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85[...] = 0
+    t86 = np.reshape(t85, (d_V, d_V, d_V, d_V), copy=False)
+    t87 = np.einsum('abcb->abc', t86)
+    t88 = np.swapaxes(t38, -1, -2)
+    t89 = t88 @ t38
+    t90 = np.ones((d_V,), dtype=X.dtype)
+    t91 = (2/(L*d_V*n_batch)) * t90
+    t87 += oe.contract('abc,d->bdc', t89, t91, optimize=[(0, 1)])
     return H
 
 
@@ -1692,100 +1601,61 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(X, -1, -2)
-    t1 = np.swapaxes(W_K, -1, -2)
-    t2 = t1 @ t0
-    t3 = V_W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t1 = X @ V_W_Q
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
+    t5 = X @ W_Q
     t6 = np.swapaxes(V_W_K, -1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
-    t12 = X @ W_V
-    t13 = t11 @ t12
-    t14 = (2/(L*math.sqrt(d_K)*d_V)) * t13
-    t15 = W_Q @ t2
-    t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    T = t17
-    t18 = X @ V_W_V
-    t19 = T @ t18
-    t20 = (2/(L*math.sqrt(d_K)*d_V)) * t19
-    t21 = t14 + t20
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = t22 @ t0
-    t24 = t21 @ t23
-    t25 = X @ W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = T @ t12
-    F = t28
-    t29 = (2/(L*math.sqrt(d_K)*d_V)) * F
-    t30 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
-    t31 = t29 + t30
-    t32 = np.swapaxes(V_W_V, -1, -2)
-    t33 = t32 @ t0
-    t34 = t31 @ t33
-    t35 = t34 @ t25
-    t36 = t0 @ t35
-    t37 = t31 @ t23
-    t38 = X @ V_W_K
-    t39 = t37 @ t38
-    t40 = t0 @ t39
-    t41 = t27 + t36 + t40
-    t42 = np.swapaxes(F, -1, -2)
-    t43 = (2/(L*math.sqrt(d_K)*d_V)) * t42
-    t44 = np.swapaxes(Y, -1, -2)
-    t45 = (-2/(L*math.sqrt(d_K)*d_V)) * t44
-    t46 = t43 + t45
-    t47 = V_W_V @ t46
-    t48 = X @ t47
-    t49 = X @ W_Q
+    t11 = X @ W_V
+    t12 = t10 @ t11
+    t13 = t5 @ t3
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = X @ V_W_V
+    t16 = T @ t15
+    t17 = t12 + t16
+    t18 = (2/(L*math.sqrt(d_K)*d_V)) * t17
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = t18 @ t19
+    t21 = np.swapaxes(t3, -1, -2)
+    t22 = t20 @ t21
+    t23 = T @ t11
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*math.sqrt(d_K)*d_V)) * t24
+    t26 = np.swapaxes(t15, -1, -2)
+    t27 = t25 @ t26
+    t28 = t27 @ t21
+    t29 = t25 @ t19
+    t30 = np.swapaxes(t7, -1, -2)
+    t31 = t29 @ t30
+    t32 = t22 + t28 + t31
+    t33 = t0 @ t32
+    t34 = np.swapaxes(t27, -1, -2)
+    t35 = t34 @ t5
+    t36 = np.swapaxes(t20, -1, -2)
+    t37 = t36 @ t5
+    t38 = np.swapaxes(t29, -1, -2)
+    t39 = t38 @ t1
+    t40 = t35 + t37 + t39
+    t41 = t0 @ t40
+    t42 = np.swapaxes(t8, -1, -2)
+    t43 = np.swapaxes(t4, -1, -2)
+    t44 = t42 + t43
+    t45 = (1/math.sqrt(d_K)) * t44
+    t46 = (2/(L*d_V)) * t24
+    t47 = t45 @ t46
+    t48 = np.swapaxes(T, -1, -2)
+    t49 = (2/(L*d_V)) * t17
     t50 = t48 @ t49
-    t51 = t0 @ t50
-    t52 = np.swapaxes(T, -1, -2)
-    t53 = t0 @ t52
-    t54 = t32 @ t53
-    t55 = (2/(L*math.sqrt(d_K)*d_V)) * t54
-    t56 = np.swapaxes(W_Q, -1, -2)
-    t57 = t56 @ t0
-    t58 = V_W_K @ t57
-    t59 = X @ t58
-    t60 = (1/math.sqrt(d_K)) * t59
-    t61 = np.swapaxes(V_W_Q, -1, -2)
-    t62 = t61 @ t0
-    t63 = W_K @ t62
-    t64 = X @ t63
-    t65 = (1/math.sqrt(d_K)) * t64
-    t66 = t60 + t65
-    t67 = t0 @ t66
-    t68 = t22 @ t67
-    t69 = (2/(L*math.sqrt(d_K)*d_V)) * t68
-    t70 = t55 + t69
-    t71 = W_V @ t70
-    t72 = X @ t71
-    t73 = t72 @ t49
-    t74 = t0 @ t73
-    t75 = W_V @ t46
-    t76 = X @ t75
-    t77 = X @ V_W_Q
-    t78 = t76 @ t77
-    t79 = t0 @ t78
-    t80 = t51 + t74 + t79
-    t81 = (2/(L*d_V)) * F
-    t82 = (-2/(L*d_V)) * Y
-    t83 = t81 + t82
-    t84 = t66 @ t83
-    t85 = t0 @ t84
-    t86 = (2/(L*d_V)) * t13
-    t87 = (2/(L*d_V)) * t19
-    t88 = t86 + t87
-    t89 = t52 @ t88
-    t90 = t0 @ t89
-    t91 = t85 + t90
-    return (t41.mean(0), t80.mean(0), t91.mean(0),)
+    t51 = t47 + t50
+    t52 = t0 @ t51
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)), (t52[0] if n_batch == 1 else t52.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -1797,68 +1667,66 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = W_Q @ t4
+    t13 = W_Q @ t3
     t14 = X @ t13
     t15 = (1/math.sqrt(d_K)) * t14
     T = t15
-    t16 = X @ W_V
+    t16 = np.swapaxes(t5, -1, -2)
     t17 = T @ t16
     F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G @ t5
-    t22 = t21 @ X
-    t23 = X @ W_Q
-    t24 = t7 @ X
-    t25 = t4 @ t24
-    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t22, t0, t22, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t22, t0, t23, t25, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t23, t25, t0, t23, t25, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = t4 @ X
-    t29 = T @ X
-    t30 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t28, t29, W_V, t0, t28, t29, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t28, t29, W_V, t0, t28, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = t0 @ t16
-    t33 = np.swapaxes(G, -1, -2)
-    t34 = t33 @ X
-    t35 = t5 @ t8
-    t36 = np.swapaxes(W_Q, -1, -2)
-    t37 = t36 @ t0
-    t38 = t37 @ X
-    t39 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t32, t34, t32, t34, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t32, t34, t32, t35, t38, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t32, t35, t38, t32, t35, t38, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t40 = np.sqrt(np.maximum(t39, 0.0))
-    t41 = t0 @ t24
-    t42 = t37 @ t23
-    t43 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t37, G, t1, t37, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t37, G, t1, t37, W_V, t29, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t37, W_V, t29, t1, t37, W_V, t29, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t46 = np.sqrt(np.maximum(t45, 0.0))
-    t47 = np.swapaxes(T, -1, -2)
-    t48 = t47 @ X
-    t49 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t48, t35, t0, t48, t35, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t48, t35, t0, t8, t34, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t34, t0, t8, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t50 = np.sqrt(np.maximum(t49, 0.0))
-    t51 = t33 @ t23
-    t52 = t47 @ t23
-    t53 = t5 @ X
-    t54 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t51, t0, X, t51, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t51, t0, t52, t53, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t52, t53, t0, t52, t53, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t55 = np.sqrt(np.maximum(t54, 0.0))
-    t56 = t47 @ T
-    t57 = t56 @ X
-    t58 = t0 @ t57
-    t59 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t58, t58, optimize=[(0, 1)])
-    t60 = np.sqrt(np.maximum(t59, 0.0))
-    return (t12, t27, t31, t40, t44, t46, t50, t55, t60,)
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t5
+    t21 = t20 @ X
+    t22 = X @ W_Q
+    t23 = np.swapaxes(t9, -1, -2)
+    t24 = t23 @ X
+    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t21, t0, t22, t24, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t22, t24, t0, t22, t24, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = t3 @ X
+    t28 = T @ X
+    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t27, t28, W_V, t0, t27, t28, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t27, t28, W_V, t0, t27, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t27, G, t0, t27, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = t0 @ t16
+    t32 = np.swapaxes(G, -1, -2)
+    t33 = t32 @ X
+    t34 = t5 @ t8
+    t35 = np.swapaxes(t22, -1, -2)
+    t36 = t35 @ X
+    t37 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t31, t33, t31, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t31, t33, t31, t34, t36, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t31, t34, t36, t31, t34, t36, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    t39 = t7 @ X
+    t40 = t0 @ t39
+    t41 = t35 @ t22
+    t42 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t40, t41, t40, t41, optimize=[(0, 2), (0, 1), (0, 1)])
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t35, G, t1, t35, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t35, G, t1, t35, W_V, t28, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t35, W_V, t28, t1, t35, W_V, t28, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t45 = np.sqrt(np.maximum(t44, 0.0))
+    t46 = np.swapaxes(T, -1, -2)
+    t47 = t46 @ X
+    t48 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t47, t34, t0, t47, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t47, t34, t0, t8, t33, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t33, t0, t8, t33, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    t50 = t32 @ t22
+    t51 = t46 @ t22
+    t52 = np.swapaxes(t31, -1, -2)
+    t53 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t50, t0, t51, t52, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t51, t52, t0, t51, t52, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t54 = np.sqrt(np.maximum(t53, 0.0))
+    t55 = np.swapaxes(t28, -1, -2)
+    t56 = t55 @ t28
+    t57 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t56, t56, optimize=[(0, 1)])
+    t58 = np.sqrt(np.maximum(t57, 0.0))
+    return (t12, t26, t30, t38, t43, t45, t49, t54, t58,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1872,14 +1740,14 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t1 @ X
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = np.swapaxes(W_V, -1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = np.swapaxes(t4, -1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
@@ -1894,14 +1762,14 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
 
 
@@ -1916,14 +1784,14 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t1 @ X
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = np.swapaxes(W_V, -1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = np.swapaxes(t4, -1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
@@ -1938,14 +1806,14 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
     return t12
@@ -1971,27 +1839,24 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 @ X
-    t17 = np.ones((d_K,), dtype=X.dtype)
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t19, t18, optimize=[(0, 1)])
-    t20 = X @ W_Q
-    t21 = W_V @ t14
-    t22 = X @ t21
-    t23 = t22 @ X
-    t24 = t4 @ t23
-    t25 = (2/(L*d_K*d_V*n_batch)) * t2
-    t26 = oe.contract('abc,acd->bda', t25, t20, optimize=[(0, 1)])
-    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(t8, -1, -2)
+    t13 = G @ t12
+    t14 = t13 @ X
+    t15 = np.ones((d_K,), dtype=X.dtype)
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd->bd', t2, t14, optimize=[(0, 1)])
+    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
+    t18 = X @ W_Q
+    t19 = t8 @ t12
+    t20 = t19 @ X
+    t21 = t4 @ t20
+    t22 = (2/(L*d_K*d_V*n_batch)) * t2
+    t23 = oe.contract('abc,acd->bda', t22, t18, optimize=[(0, 1)])
+    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2011,22 +1876,19 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = X @ W_Q
-    t16 = W_V @ t12
-    t17 = X @ t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t14, t0, t15, t19, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t19, t0, t15, t19, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = G @ t10
+    t12 = t11 @ X
+    t13 = X @ W_Q
+    t14 = t6 @ t10
+    t15 = t14 @ X
+    t16 = t2 @ t15
+    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t12, t0, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t12, t0, t13, t16, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t13, t16, t0, t13, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2050,17 +1912,15 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
     t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
     t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
-    t12 = X @ W_V
-    t13 = T @ t12
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bda', t17, G, optimize=[(0, 1)])
-    t19 = oe.contract('abc->bca', t4, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
+    t12 = t8 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2079,16 +1939,14 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     T = t6
     t7 = T @ X
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t8 = t7 @ W_V
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2108,7 +1966,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = np.swapaxes(W_Q, -1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
@@ -2130,7 +1988,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = np.swapaxes(W_Q, -1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
 
@@ -2156,27 +2014,25 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = T @ t3
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = t14 @ X
-    t16 = np.ones((d_K,), dtype=X.dtype)
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = oe.contract('abc,acd->bd', t4, t15, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
-    t19 = np.swapaxes(W_V, -1, -2)
-    t20 = t19 @ t2
-    t21 = X @ W_K
-    t22 = t20 @ t21
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = t23 @ t2
-    t25 = t24 @ X
-    t26 = (2/(L*d_K*d_V*n_batch)) * t4
-    t27 = oe.contract('abc,acd->bda', t26, t22, optimize=[(0, 1)])
-    t28 = oe.contract('abc->bca', t25, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t27, t28, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = t13 @ X
+    t15 = np.ones((d_K,), dtype=X.dtype)
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd->bd', t4, t14, optimize=[(0, 1)])
+    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
+    t18 = np.swapaxes(t3, -1, -2)
+    t19 = np.swapaxes(t6, -1, -2)
+    t20 = t18 @ t19
+    t21 = np.swapaxes(W_Q, -1, -2)
+    t22 = t21 @ t2
+    t23 = t22 @ X
+    t24 = (2/(L*d_K*d_V*n_batch)) * t4
+    t25 = oe.contract('abc,acd->bda', t24, t20, optimize=[(0, 1)])
+    t26 = oe.contract('abc->bca', t23, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -2197,22 +2053,20 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T @ t1
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = t12 @ X
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = np.swapaxes(W_Q, -1, -2)
-    t19 = t18 @ t0
-    t20 = t19 @ X
-    t21 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t13, t2, t13, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t13, t2, t17, t20, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t17, t20, t2, t17, t20, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = t11 @ X
+    t13 = np.swapaxes(t1, -1, -2)
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = t13 @ t14
+    t16 = np.swapaxes(W_Q, -1, -2)
+    t17 = t16 @ t0
+    t18 = t17 @ X
+    t19 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t12, t2, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t12, t2, t15, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t15, t18, t2, t15, t18, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2232,7 +2086,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = np.swapaxes(W_Q, -1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
@@ -2254,7 +2108,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = np.swapaxes(W_Q, -1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
@@ -2273,28 +2127,27 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ X
     t3 = np.swapaxes(W_Q, -1, -2)
     t4 = t3 @ t1
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = np.swapaxes(t4, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = X @ W_V
     t11 = T @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
-    t18 = T @ X
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t20 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bda', t19, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t15 = oe.contract('abc,acd->bda', t14, G, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
+    t17 = T @ X
+    t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t19 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bda', t18, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2308,23 +2161,22 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t1 = t0 @ X
     t2 = np.swapaxes(W_Q, -1, -2)
     t3 = t2 @ t0
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
+    t4 = np.swapaxes(t3, -1, -2)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
     t8 = (1/math.sqrt(d_K)) * t7
     T = t8
     t9 = X @ W_V
     t10 = T @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = T @ X
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t14, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t14, t1, t3, W_V, t14, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = T @ X
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t13, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t13, t1, t3, W_V, t13, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2391,23 +2243,22 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t9 @ t1
-    t11 = X @ W_K
+    t11 = np.swapaxes(t3, -1, -2)
     t12 = t10 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t0[...] = oe.contract('abc,acd,aef->bedf', t13, t8, t12, optimize=[(0, 1), (0, 1)])
-    t14 = X @ W_V
+    t14 = np.swapaxes(t10, -1, -2)
     t15 = T @ t14
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = t19 @ X
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = oe.contract('abc,acd->bda', t21, t11, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = t18 @ X
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('abc,acd->bda', t20, t11, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2428,20 +2279,19 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ X
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = t8 @ t0
-    t10 = X @ W_K
+    t10 = np.swapaxes(t2, -1, -2)
     t11 = t9 @ t10
-    t12 = X @ W_V
+    t12 = np.swapaxes(t9, -1, -2)
     t13 = T @ t12
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = t17 @ X
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t18, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t18, t0, t10, t18, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = t16 @ X
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t17, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t17, t0, t10, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2462,24 +2312,22 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = T @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = X @ W_Q
-    t14 = t12 @ t13
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t15, X, t14, optimize=[(0, 1), (0, 1)])
-    t16 = np.swapaxes(T, -1, -2)
-    t17 = t16 @ t13
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t22 = oe.contract('abc,acd->bda', t21, t17, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = X @ W_Q
+    t13 = t11 @ t12
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t14, X, t13, optimize=[(0, 1), (0, 1)])
+    t15 = np.swapaxes(T, -1, -2)
+    t16 = t15 @ t12
+    t17 = np.swapaxes(t7, -1, -2)
+    t18 = t17 @ X
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t20 = oe.contract('abc,acd->bda', t19, t16, optimize=[(0, 1)])
+    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2499,21 +2347,19 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(G, -1, -2)
-    t12 = X @ W_Q
-    t13 = t11 @ t12
-    t14 = np.swapaxes(T, -1, -2)
-    t15 = t14 @ t12
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t13, t0, X, t13, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t13, t0, t15, t18, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t18, t0, t15, t18, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(G, -1, -2)
+    t11 = X @ W_Q
+    t12 = t10 @ t11
+    t13 = np.swapaxes(T, -1, -2)
+    t14 = t13 @ t11
+    t15 = np.swapaxes(t6, -1, -2)
+    t16 = t15 @ X
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t12, t0, X, t12, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t12, t0, t14, t16, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t14, t16, t0, t14, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2574,14 +2420,14 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_K, -1, -2)
-    t3 = np.swapaxes(W_V, -1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = t11 + 0.0 + 0.0
     t13 = np.sqrt(np.maximum(t11, 0.0))
@@ -2599,35 +2445,33 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_Q
     t2 = t0 @ t1
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = np.swapaxes(W_V, -1, -2)
-    t5 = t3 @ t0
-    t6 = t4 @ t0
+    t4 = t3 @ t0
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t0
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = t8 @ X
-    t10 = t5 @ t9
+    t10 = t4 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = W_Q @ t5
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = X @ W_V
-    t16 = T @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G @ t6
-    t21 = t20 @ X
-    t22 = t0 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)])
-    t24 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t22, optimize=[(0, 1), (0, 1)])
-    t25 = t11 + t23 + t24
-    t26 = np.sqrt(np.maximum(t11, 0.0))
-    t27 = np.sqrt(np.maximum(t23, 0.0))
-    t28 = np.sqrt(np.maximum(t25, 0.0))
-    return (t26, t27, t28,)
+    t12 = t1 @ t4
+    t13 = (1/math.sqrt(d_K)) * t12
+    T = t13
+    t14 = np.swapaxes(t6, -1, -2)
+    t15 = T @ t14
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G @ t6
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
+    t22 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t20, optimize=[(0, 1), (0, 1)])
+    t23 = t11 + t21 + t22
+    t24 = np.sqrt(np.maximum(t11, 0.0))
+    t25 = np.sqrt(np.maximum(t21, 0.0))
+    t26 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -2650,19 +2494,18 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
     t11 = T @ t8
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t0 @ G
-    t16 = t2 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t16, t15, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t15, t16, optimize=[(0, 2), (0, 2), (0, 1)])
-    t19 = t10 + t17 + t18
-    t20 = np.sqrt(np.maximum(t10, 0.0))
-    t21 = np.sqrt(np.maximum(t17, 0.0))
-    t22 = np.sqrt(np.maximum(t19, 0.0))
-    return (t20, t21, t22,)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t0 @ G
+    t15 = t2 @ X
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t14, t15, optimize=[(0, 2), (0, 2), (0, 1)])
+    t18 = t10 + t16 + t17
+    t19 = np.sqrt(np.maximum(t10, 0.0))
+    t20 = np.sqrt(np.maximum(t16, 0.0))
+    t21 = np.sqrt(np.maximum(t18, 0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2683,31 +2526,28 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t0
     t10 = t9 @ X
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.swapaxes(W_K, -1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
+    t12 = np.swapaxes(t2, -1, -2)
+    t13 = np.swapaxes(t9, -1, -2)
+    t14 = np.swapaxes(t5, -1, -2)
+    t15 = t13 @ t14
     t16 = (1/math.sqrt(d_K)) * t15
     T = t16
-    t17 = X @ W_V
-    t18 = T @ t17
-    F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t26, optimize=[(0, 1), (0, 1)])
-    t29 = t11 + t27 + t28
-    t30 = np.sqrt(np.maximum(t11, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t17 = T @ t12
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = t12 @ t20
+    t22 = t21 @ X
+    t23 = t0 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t23, optimize=[(0, 1), (0, 1)])
+    t26 = t11 + t24 + t25
+    t27 = np.sqrt(np.maximum(t11, 0.0))
+    t28 = np.sqrt(np.maximum(t24, 0.0))
+    t29 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -2725,7 +2565,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = np.swapaxes(W_Q, -1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = t11 + 0.0 + 0.0
@@ -2744,31 +2584,30 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_V
     t2 = t0 @ t1
     t3 = np.swapaxes(W_Q, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = t3 @ t0
+    t4 = t3 @ t0
+    t5 = np.swapaxes(t4, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
     t10 = T @ X
-    t11 = t9 @ t10
+    t11 = t4 @ t10
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
     t13 = t0 @ X
     t14 = T @ t1
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t9 @ G
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t18, t13, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t18, optimize=[(0, 2), (0, 2), (0, 1)])
-    t21 = t12 + t19 + t20
-    t22 = np.sqrt(np.maximum(t12, 0.0))
-    t23 = np.sqrt(np.maximum(t19, 0.0))
-    t24 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, t23, t24,)
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t4 @ G
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t17, t13, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t17, optimize=[(0, 2), (0, 2), (0, 1)])
+    t20 = t12 + t18 + t19
+    t21 = np.sqrt(np.maximum(t12, 0.0))
+    t22 = np.sqrt(np.maximum(t18, 0.0))
+    t23 = np.sqrt(np.maximum(t20, 0.0))
+    return (t21, t22, t23,)
 
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2789,26 +2628,25 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t8 = t0 @ t7
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t9 @ t0
-    t11 = X @ W_K
+    t11 = np.swapaxes(t2, -1, -2)
     t12 = t10 @ t11
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
     t14 = t0 @ t11
-    t15 = X @ W_V
+    t15 = np.swapaxes(t10, -1, -2)
     t16 = T @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = t20 @ X
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t21, t14, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t21, optimize=[(0, 2), (0, 2), (0, 1)])
-    t24 = t13 + t22 + t23
-    t25 = np.sqrt(np.maximum(t13, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = t19 @ X
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
+    t23 = t13 + t21 + t22
+    t24 = np.sqrt(np.maximum(t13, 0.0))
+    t25 = np.sqrt(np.maximum(t21, 0.0))
+    t26 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -2833,22 +2671,21 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
     t14 = t0 @ X
-    t15 = X @ W_V
+    t15 = np.swapaxes(t11, -1, -2)
     t16 = T @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = t20 @ t7
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t21, t14, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t21, optimize=[(0, 2), (0, 2), (0, 1)])
-    t24 = t13 + t22 + t23
-    t25 = np.sqrt(np.maximum(t13, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = t19 @ t7
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
+    t23 = t13 + t21 + t22
+    t24 = np.sqrt(np.maximum(t13, 0.0))
+    t25 = np.sqrt(np.maximum(t21, 0.0))
+    t26 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -3002,13 +2839,12 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     t6 = Mcausal * T
     t7 = X @ W_V
     t8 = t6 @ t7
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = t10 * t10
-    t12 = t11.sum(-1, keepdims=True)
-    t13 = t12.sum(-2, keepdims=True)
-    t14 = (1/(L*d_V)) * t13
-    return t14.mean(0)[0, 0]
+    t9 = t8 - Y
+    t10 = t9 * t9
+    t11 = t10.sum(-1, keepdims=True)
+    t12 = t11.sum(-2, keepdims=True)
+    t13 = (1/(L*d_V)) * t12
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -3019,42 +2855,37 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     n_batch = X.shape[0]
     t0 = np.swapaxes(X, -1, -2)
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t1 = np.swapaxes(W_K, -1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = Mcausal * T
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_V, -1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = t0 @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = W_V @ t20
-    t22 = X @ t21
-    t23 = np.swapaxes(Mcausal, -1, -2)
-    t24 = t22 * t23
-    t25 = X @ W_Q
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = np.swapaxes(T, -1, -2)
-    t30 = t23 * t29
-    t31 = t30 @ G
-    t32 = t0 @ t31
-    return (t19.mean(0), t28.mean(0), t32.mean(0),)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(t7, -1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t0 @ t13
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = t14 @ t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    t18 = np.swapaxes(t12, -1, -2)
+    t19 = np.swapaxes(Mcausal, -1, -2)
+    t20 = t18 * t19
+    t21 = t0 @ t20
+    t22 = t21 @ t1
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = np.swapaxes(T, -1, -2)
+    t25 = t19 * t24
+    t26 = t0 @ t25
+    t27 = t26 @ G
+    return ((t17[0] if n_batch == 1 else t17.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -3074,7 +2905,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t2
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = np.swapaxes(t4, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -3085,54 +2916,48 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_V), copy=False)
-    t18 = W_Q @ t4
-    t19 = X @ t18
-    t20 = (1/math.sqrt(d_K)) * t19
-    T = t20
-    t21 = Mcausal * T
-    t22 = t21 @ X
-    t23 = X @ W_V
-    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t25 = oe.contract('abc,acd->bdac', t4, t23, optimize=[(0, 1)])
-    t26 = oe.contract('abc,cd,ace->bead', t2, t24, t22, optimize=[(0, 1), (0, 1)])
-    t17[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.swapaxes(W_Q, -1, -2)
-    t30 = t29 @ t2
-    t31 = np.swapaxes(Mcausal, -1, -2)
-    t32 = (2/(L*d_K*d_V*n_batch)) * t31
-    t28[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t30, t32, t8, t31, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t35 = oe.contract('abc,acd->bdac', t30, t13, optimize=[(0, 1)])
-    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t38[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t30, t39, t23, t22, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t42 = np.swapaxes(T, -1, -2)
-    t43 = t31 * t42
-    t44 = t2 @ t43
-    t45 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t46 = oe.contract('abc,cd,ace->bead', t44, t24, X, optimize=[(0, 1), (0, 1)])
-    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t48[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t44, t6, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_V), copy=False)
-    t51 = np.einsum('abcb->abc', t50)
-    t52 = t43 @ t21
-    t53 = t52 @ X
-    t54 = t2 @ t53
-    t55 = np.ones((d_V,), dtype=X.dtype)
-    t56 = (2/(L*d_V*n_batch)) * t55
-    t51 += oe.contract('abc,d->bdc', t54, t56, optimize=[(0, 1)])
+    t18 = t13 @ t4
+    t19 = (1/math.sqrt(d_K)) * t18
+    T = t19
+    t20 = Mcausal * T
+    t21 = t20 @ X
+    t22 = np.swapaxes(t6, -1, -2)
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t24 = oe.contract('abc,acd->bdac', t4, t22, optimize=[(0, 1)])
+    t25 = oe.contract('abc,cd,ace->bead', t2, t23, t21, optimize=[(0, 1), (0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
+    t28 = np.swapaxes(t13, -1, -2)
+    t29 = np.swapaxes(Mcausal, -1, -2)
+    t30 = (2/(L*d_K*d_V*n_batch)) * t29
+    t27[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t28, t30, t8, t29, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = oe.contract('abc,acd->bdac', t28, t13, optimize=[(0, 1)])
+    t34 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t30, t8, t29, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t36[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t28, t37, t22, t21, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
+    t40 = np.swapaxes(t21, -1, -2)
+    t41 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t42 = oe.contract('abc,cd,ace->bead', t40, t23, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
+    t44[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t40, t6, t23, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
+    t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
+    t47 = np.einsum('abcb->abc', t46)
+    t48 = t40 @ t21
+    t49 = np.ones((d_V,), dtype=X.dtype)
+    t50 = (2/(L*d_V*n_batch)) * t49
+    t47 += oe.contract('abc,d->bdc', t48, t50, optimize=[(0, 1)])
     return H
 
 
@@ -3148,67 +2973,39 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t2 = t1 @ t0
     t3 = V_W_Q @ t2
     t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t5 = X @ W_Q
     t6 = np.swapaxes(V_W_K, -1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
-    t12 = t11 * Mcausal
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = (2/(L*d_V)) * t14
-    t16 = W_Q @ t2
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = X @ V_W_V
-    t21 = t19 @ t20
-    t22 = (2/(L*d_V)) * t21
-    t23 = t15 + t22
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = t24 @ t0
-    t26 = t23 @ t25
-    t27 = Mcausal * t26
-    t28 = X @ W_K
-    t29 = t27 @ t28
-    t30 = t0 @ t29
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = np.swapaxes(V_W_V, -1, -2)
-    t33 = np.swapaxes(Mcausal, -1, -2)
-    t34 = np.swapaxes(T, -1, -2)
-    t35 = t33 * t34
-    t36 = t0 @ t35
-    t37 = t32 @ t36
-    t38 = (2/(L*d_V)) * t37
-    t39 = np.swapaxes(W_Q, -1, -2)
-    t40 = t39 @ t0
-    t41 = V_W_K @ t40
-    t42 = X @ t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = np.swapaxes(V_W_Q, -1, -2)
-    t45 = t44 @ t0
-    t46 = W_K @ t45
-    t47 = X @ t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t43 + t48
-    t50 = t49 * t33
-    t51 = t0 @ t50
-    t52 = t24 @ t51
-    t53 = (2/(L*d_V)) * t52
-    t54 = t38 + t53
-    t55 = W_V @ t54
-    t56 = X @ t55
-    t57 = t56 * t33
-    t58 = X @ W_Q
-    t59 = t57 @ t58
-    t60 = t0 @ t59
-    t61 = (1/math.sqrt(d_K)) * t60
-    t62 = t35 @ t23
-    t63 = t0 @ t62
-    return (t31.mean(0), t61.mean(0), t63.mean(0),)
+    t11 = t10 * Mcausal
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    t14 = t5 @ t2
+    t15 = (1/math.sqrt(d_K)) * t14
+    T = t15
+    t16 = Mcausal * T
+    t17 = t16 @ X
+    t18 = t17 @ V_W_V
+    t19 = t13 + t18
+    t20 = (2/(L*d_V)) * t19
+    t21 = np.swapaxes(t12, -1, -2)
+    t22 = t20 @ t21
+    t23 = Mcausal * t22
+    t24 = t0 @ t23
+    t25 = np.swapaxes(t2, -1, -2)
+    t26 = t24 @ t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = np.swapaxes(t22, -1, -2)
+    t29 = np.swapaxes(Mcausal, -1, -2)
+    t30 = t28 * t29
+    t31 = t0 @ t30
+    t32 = t31 @ t5
+    t33 = (1/math.sqrt(d_K)) * t32
+    t34 = np.swapaxes(t17, -1, -2)
+    t35 = t34 @ t20
+    return ((t27[0] if n_batch == 1 else t27.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -3225,43 +3022,37 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = np.sqrt(np.maximum(t8, 0.0))
     t10 = X @ W_Q
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t10, X, t0, t2, Mcausal, t6, Mcausal, t10, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = W_Q @ t2
-    t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    T = t15
-    t16 = Mcausal * T
-    t17 = t16 @ X
-    t18 = X @ W_V
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t17, t18, t0, t2, Mcausal, t17, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = np.swapaxes(W_Q, -1, -2)
-    t22 = t21 @ t0
-    t23 = np.swapaxes(Mcausal, -1, -2)
-    t24 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t22, t23, t6, t23, t7, X, t0, t22, t23, t6, t23, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t13 = t10 @ t2
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = Mcausal * T
+    t16 = t15 @ X
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t16, t17, t0, t2, Mcausal, t16, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = np.swapaxes(t10, -1, -2)
+    t21 = np.swapaxes(Mcausal, -1, -2)
+    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, t7, X, t0, t20, t21, t6, t21, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, X, t10, t0, t20, t21, t6, t21, X, t10, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t22, t23, t6, t23, X, t10, t0, t22, t23, t6, t23, X, t10, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t21, t17, t16, t0, t20, t21, t17, t16, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t22, t23, t18, t17, t0, t22, t23, t18, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t29 = np.sqrt(np.maximum(t28, 0.0))
-    t30 = np.swapaxes(T, -1, -2)
-    t31 = t23 * t30
-    t32 = t0 @ t31
-    t33 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t32, t4, Mcausal, X, t7, t32, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    t35 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t32, t4, Mcausal, t10, X, t32, t4, Mcausal, t10, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t36 = np.sqrt(np.maximum(t35, 0.0))
-    t37 = t31 @ t16
-    t38 = t37 @ X
-    t39 = t0 @ t38
-    t40 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t39, t39, optimize=[(0, 1)])
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    return (t9, t12, t20, t25, t27, t29, t34, t36, t41,)
+    t28 = np.swapaxes(t16, -1, -2)
+    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, X, t7, t28, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, t10, X, t28, t4, Mcausal, t10, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = t28 @ t16
+    t34 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return (t9, t12, t19, t23, t25, t27, t30, t32, t35,)
 
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3280,7 +3071,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
     t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
@@ -3302,7 +3093,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -3322,7 +3113,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
@@ -3342,7 +3133,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = np.sqrt(np.maximum(t8, 0.0))
     return t9
@@ -3457,7 +3248,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
@@ -3478,7 +3269,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = np.swapaxes(t2, -1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -3543,7 +3334,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
     t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
@@ -3566,7 +3357,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = np.swapaxes(t2, -1, -2)
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t10 = np.sqrt(np.maximum(t9, 0.0))
     return t10
@@ -3586,10 +3377,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = np.swapaxes(Mcausal, -1, -2)
     t5 = X @ W_V
-    t6 = np.swapaxes(W_K, -1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = np.swapaxes(t3, -1, -2)
+    t7 = np.swapaxes(W_K, -1, -2)
+    t8 = t7 @ t1
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = Mcausal * T
@@ -3611,10 +3402,10 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = np.swapaxes(Mcausal, -1, -2)
     t4 = X @ W_V
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = np.swapaxes(t2, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
@@ -3699,7 +3490,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t11 @ t1
-    t13 = X @ W_K
+    t13 = np.swapaxes(t4, -1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
     t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
@@ -3727,7 +3518,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
-    t12 = X @ W_K
+    t12 = np.swapaxes(t3, -1, -2)
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = np.sqrt(np.maximum(t13, 0.0))
     return t14
@@ -3869,56 +3660,50 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t11 = X @ W_V
     t12 = t10 @ t11
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t4
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t4 @ t20
-    t22 = np.ones((d_K,), dtype=X.dtype)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t3 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t25[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = np.swapaxes(G, -1, -2)
-    t31 = W_V @ t30
-    t32 = X @ t31
-    t33 = np.swapaxes(Mcausal, -1, -2)
-    t34 = t32 * t33
-    t35 = t34 @ X
-    t36 = t4 @ t35
-    t29 += oe.contract('abc,d->bdc', t36, t23, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t40 = np.swapaxes(W_Q, -1, -2)
-    t41 = t40 @ t4
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t43 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
-    t44 = oe.contract('abc,cd,ace->bead', t4, t42, X, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
-    t47 = X @ W_K
-    t46[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t30, t42, t47, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = X @ W_Q
-    t51 = oe.contract('abc,acd->bdac', t30, t50, optimize=[(0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t44, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52[...] = 0
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = np.swapaxes(t11, -1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t4 @ t18
+    t20 = np.ones((d_K,), dtype=X.dtype)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t3 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t23[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t24, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t25[...] = 0
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
+    t27 = np.einsum('abcb->abc', t26)
+    t28 = np.swapaxes(t19, -1, -2)
+    t27 += oe.contract('abc,d->bdc', t28, t21, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_V), copy=False)
+    t32 = np.swapaxes(W_Q, -1, -2)
+    t33 = t32 @ t4
+    t34 = np.swapaxes(Mcausal, -1, -2)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd->bdac', t33, G, optimize=[(0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t4, t35, X, optimize=[(0, 1), (0, 1)])
+    t31[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = np.swapaxes(t6, -1, -2)
+    t39[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t40, t35, t41, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
+    t44 = np.swapaxes(t33, -1, -2)
+    t45 = oe.contract('abc,acd->bdac', t40, t44, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t45, t37, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46[...] = 0
     return H
 
 
@@ -3930,69 +3715,54 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(X, -1, -2)
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t1 = np.swapaxes(W_K, -1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = Mcausal * T
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(V_W_V, -1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = t0 @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t20 @ t0
-    t22 = G @ t21
-    t23 = Mcausal * t22
-    t24 = X @ V_W_K
-    t25 = t23 @ t24
-    t26 = t0 @ t25
-    t27 = (1/math.sqrt(d_K)) * t26
-    t28 = t19 + t27
-    t29 = np.swapaxes(G, -1, -2)
-    t30 = V_W_V @ t29
-    t31 = X @ t30
-    t32 = np.swapaxes(Mcausal, -1, -2)
-    t33 = t31 * t32
-    t34 = X @ W_Q
-    t35 = t33 @ t34
-    t36 = t0 @ t35
-    t37 = (1/math.sqrt(d_K)) * t36
-    t38 = W_V @ t29
-    t39 = X @ t38
-    t40 = t39 * t32
-    t41 = X @ V_W_Q
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = t37 + t44
-    t46 = np.swapaxes(W_Q, -1, -2)
-    t47 = t46 @ t0
-    t48 = V_W_K @ t47
-    t49 = X @ t48
-    t50 = (1/math.sqrt(d_K)) * t49
-    t51 = np.swapaxes(V_W_Q, -1, -2)
-    t52 = t51 @ t0
-    t53 = W_K @ t52
-    t54 = X @ t53
-    t55 = (1/math.sqrt(d_K)) * t54
-    t56 = t50 + t55
-    t57 = t56 * t32
-    t58 = t57 @ G
-    t59 = t0 @ t58
-    return (t28.mean(0), t45.mean(0), t59.mean(0),)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(V_W_V, -1, -2)
+    t12 = t11 @ t0
+    t13 = G @ t12
+    t14 = Mcausal * t13
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = t14 @ t15
+    t17 = np.swapaxes(t7, -1, -2)
+    t18 = G @ t17
+    t19 = Mcausal * t18
+    t20 = X @ V_W_K
+    t21 = t19 @ t20
+    t22 = t16 + t21
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = t0 @ t23
+    t25 = np.swapaxes(t13, -1, -2)
+    t26 = np.swapaxes(Mcausal, -1, -2)
+    t27 = t25 * t26
+    t28 = t27 @ t1
+    t29 = np.swapaxes(t18, -1, -2)
+    t30 = t29 * t26
+    t31 = X @ V_W_Q
+    t32 = t30 @ t31
+    t33 = t28 + t32
+    t34 = (1/math.sqrt(d_K)) * t33
+    t35 = t0 @ t34
+    t36 = np.swapaxes(t1, -1, -2)
+    t37 = t20 @ t36
+    t38 = np.swapaxes(t31, -1, -2)
+    t39 = t15 @ t38
+    t40 = t37 + t39
+    t41 = (1/math.sqrt(d_K)) * t40
+    t42 = t41 * t26
+    t43 = t42 @ G
+    t44 = t0 @ t43
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t44[0] if n_batch == 1 else t44.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -4013,40 +3783,34 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_V, -1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(t7, -1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t13 @ X
+    t15 = t0 @ t14
+    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
+    t20 = np.swapaxes(t15, -1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = np.swapaxes(W_Q, -1, -2)
+    t24 = t23 @ t0
     t25 = np.swapaxes(Mcausal, -1, -2)
-    t26 = t24 * t25
-    t27 = t26 @ X
-    t28 = t0 @ t27
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = np.swapaxes(W_Q, -1, -2)
-    t32 = t31 @ t0
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t25, X, G, t0, t32, t25, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t24, t25, X, G, t0, t24, t25, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = np.swapaxes(G, -1, -2)
+    t29 = np.swapaxes(t2, -1, -2)
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, t29, X, t0, t28, t25, t29, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = np.swapaxes(t24, -1, -2)
+    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, X, t32, t0, t28, t25, X, t32, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t34 = np.sqrt(np.maximum(t33, 0.0))
-    t35 = X @ W_K
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t22, t25, t35, X, t0, t22, t25, t35, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = X @ W_Q
-    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t22, t25, X, t38, t0, t22, t25, X, t38, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t40 = np.sqrt(np.maximum(t39, 0.0))
-    return (0.0, t19, t21, t30, 0.0, t34, t37, t40, 0.0,)
+    return (0.0, t17, t19, t22, 0.0, t27, t31, t34, 0.0,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4111,19 +3875,17 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = Mcausal * t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = np.ones((d_K,), dtype=X.dtype)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(t9, -1, -2)
+    t14 = G @ t13
+    t15 = Mcausal * t14
+    t16 = t15 @ X
+    t17 = t2 @ t16
+    t18 = np.ones((d_K,), dtype=X.dtype)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4145,19 +3907,17 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_V, -1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(t7, -1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t13 @ X
+    t15 = t0 @ t14
+    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4180,12 +3940,11 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = t7 @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t12, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4207,13 +3966,12 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4258,20 +4016,19 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = W_V @ t14
-    t16 = X @ t15
-    t17 = np.swapaxes(Mcausal, -1, -2)
-    t18 = t16 * t17
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = np.ones((d_K,), dtype=X.dtype)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = W_V @ t13
+    t15 = X @ t14
+    t16 = np.swapaxes(Mcausal, -1, -2)
+    t17 = t15 * t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = np.ones((d_K,), dtype=X.dtype)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
     return out
 
 
@@ -4293,20 +4050,19 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = W_V @ t12
-    t14 = X @ t13
-    t15 = np.swapaxes(Mcausal, -1, -2)
-    t16 = t14 * t15
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = W_V @ t11
+    t13 = X @ t12
+    t14 = np.swapaxes(Mcausal, -1, -2)
+    t15 = t13 * t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4342,24 +4098,23 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = np.swapaxes(Mcausal, -1, -2)
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = np.swapaxes(t3, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
     t11 = X @ W_V
     t12 = t10 @ t11
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4374,23 +4129,22 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ t0
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = np.swapaxes(Mcausal, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
     t8 = (1/math.sqrt(d_K)) * t7
     T = t8
     t9 = Mcausal * T
     t10 = X @ W_V
     t11 = t9 @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4433,15 +4187,14 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = t7 @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = np.swapaxes(Mcausal, -1, -2)
-    t15 = X @ W_K
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t13, t16, t15, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = np.swapaxes(Mcausal, -1, -2)
+    t14 = np.swapaxes(t3, -1, -2)
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t12, t15, t14, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4463,16 +4216,15 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = np.swapaxes(Mcausal, -1, -2)
-    t14 = X @ W_K
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t12, t13, t14, X, t0, t12, t13, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = np.swapaxes(Mcausal, -1, -2)
+    t13 = np.swapaxes(t2, -1, -2)
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, t13, X, t0, t11, t12, t13, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4495,17 +4247,16 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = t7 @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = np.swapaxes(Mcausal, -1, -2)
-    t15 = X @ W_Q
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t17 = oe.contract('abc,acd->bdac', t13, t15, optimize=[(0, 1)])
-    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = np.swapaxes(Mcausal, -1, -2)
+    t14 = X @ W_Q
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t16 = oe.contract('abc,acd->bdac', t12, t14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4527,16 +4278,15 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = np.swapaxes(Mcausal, -1, -2)
-    t14 = X @ W_Q
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t12, t13, X, t14, t0, t12, t13, X, t14, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = np.swapaxes(Mcausal, -1, -2)
+    t13 = X @ W_Q
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, X, t13, t0, t11, t12, X, t13, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4576,7 +4326,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t2
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = np.swapaxes(t4, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -4588,85 +4338,81 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t16 = (1/math.sqrt(d_K)) * t15
     T = t16
     t17 = Mcausal * T
-    t18 = X @ W_V
+    t18 = np.swapaxes(t6, -1, -2)
     t19 = t17 @ t18
     F = t19
-    t20 = (2/(L*d_V)) * F
-    t21 = (-2/(L*d_V)) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t6
-    t24 = Mcausal * t23
-    t25 = t24 @ X
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
-    t13 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
-    t29 = X @ W_Q
-    t30 = oe.contract('abc,acd->bdac', t2, t29, optimize=[(0, 1)])
-    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
-    t34 = t17 @ X
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
-    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t33 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t38, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
-    t41 = np.einsum('abcb->abc', t40)
-    t42 = np.swapaxes(G, -1, -2)
-    t43 = W_V @ t42
-    t44 = X @ t43
-    t45 = np.swapaxes(Mcausal, -1, -2)
-    t46 = t44 * t45
-    t47 = t46 @ X
-    t48 = oe.contract('abc,acd->bd', t2, t47, optimize=[(0, 1)])
-    t41 += oe.contract('ab,c->acb', t48, t27, optimize=[(0, 1)])
-    t49 = np.swapaxes(W_Q, -1, -2)
-    t50 = t49 @ t2
-    t51 = (2/(L*d_K*d_V*n_batch)) * t45
-    t40 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t50, t51, t8, t45, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
-    t54 = oe.contract('abc,acd->bdac', t50, t29, optimize=[(0, 1)])
-    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
-    t58 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t59 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
-    t60 = oe.contract('abc,cd,ace->bead', t2, t58, X, optimize=[(0, 1), (0, 1)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t57 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t50, t61, X, W_V, t34, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
-    t64 = np.swapaxes(T, -1, -2)
-    t65 = t45 * t64
-    t66 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
-    t67 = oe.contract('abc,acd,ade->bead', t2, t65, X, optimize=[(0, 1), (0, 1)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t58, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
-    t69[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t65, t6, t35, t29, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
-    t70 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->eafb', t70, t60, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
-    t72 = np.reshape(t71, (d_V, d_V, d_V, d_V), copy=False)
-    t73 = np.einsum('abcb->abc', t72)
-    t74 = t65 @ t17
-    t75 = t74 @ X
-    t76 = t2 @ t75
-    t77 = np.ones((d_V,), dtype=X.dtype)
-    t78 = (2/(L*d_V*n_batch)) * t77
-    t73 += oe.contract('abc,d->bdc', t76, t78, optimize=[(0, 1)])
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G @ t6
+    t23 = Mcausal * t22
+    t24 = t23 @ X
+    t25 = np.ones((d_K,), dtype=X.dtype)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t27 = oe.contract('abc,acd->bd', t2, t24, optimize=[(0, 1)])
+    t13 += oe.contract('ab,c->acb', t27, t26, optimize=[(0, 1)])
+    t28 = X @ W_Q
+    t29 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
+    t30 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
+    t33 = t17 @ X
+    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t35 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('abc,cd,ace->bead', t2, t34, t33, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t32 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t37, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38[...] = 0
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
+    t40 = np.einsum('abcb->abc', t39)
+    t41 = np.swapaxes(t22, -1, -2)
+    t42 = np.swapaxes(Mcausal, -1, -2)
+    t43 = t41 * t42
+    t44 = t43 @ X
+    t45 = oe.contract('abc,acd->bd', t2, t44, optimize=[(0, 1)])
+    t40 += oe.contract('ab,c->acb', t45, t26, optimize=[(0, 1)])
+    t46 = np.swapaxes(t28, -1, -2)
+    t47 = (2/(L*d_K*d_V*n_batch)) * t42
+    t39 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t46, t47, t8, t42, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
+    t50 = oe.contract('abc,acd->bdac', t46, t28, optimize=[(0, 1)])
+    t51 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t47, t8, t42, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t55 = oe.contract('abc,acd->bdac', t46, G, optimize=[(0, 1)])
+    t56 = oe.contract('abc,cd,ace->bead', t2, t54, X, optimize=[(0, 1), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
+    t53 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t46, t57, X, W_V, t33, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
+    t60 = np.swapaxes(T, -1, -2)
+    t61 = t42 * t60
+    t62 = oe.contract('abc,dc,ace->bead', t6, t34, t9, optimize=[(0, 1), (0, 1)])
+    t63 = oe.contract('abc,acd,ade->bead', t2, t61, X, optimize=[(0, 1), (0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = np.swapaxes(G, -1, -2)
+    t59 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t64, t54, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
+    t66[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t61, t6, t34, t28, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t64, t28, optimize=[(0, 1)])
+    t66 += oe.contract('abcd,efcd->eafb', t67, t56, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
+    t69 = np.reshape(t68, (d_V, d_V, d_V, d_V), copy=False)
+    t70 = np.einsum('abcb->abc', t69)
+    t71 = np.swapaxes(t33, -1, -2)
+    t72 = t71 @ t33
+    t73 = np.ones((d_V,), dtype=X.dtype)
+    t74 = (2/(L*d_V*n_batch)) * t73
+    t70 += oe.contract('abc,d->bdc', t72, t74, optimize=[(0, 1)])
     return H
 
 
@@ -4677,108 +4423,71 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(X, -1, -2)
-    t1 = np.swapaxes(W_K, -1, -2)
-    t2 = t1 @ t0
-    t3 = V_W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t1 = X @ V_W_Q
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
+    t5 = X @ W_Q
     t6 = np.swapaxes(V_W_K, -1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t12 = t11 * Mcausal
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = (2/(L*math.sqrt(d_K)*d_V)) * t14
-    t16 = W_Q @ t2
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = X @ V_W_V
-    t21 = t19 @ t20
-    t22 = (2/(L*math.sqrt(d_K)*d_V)) * t21
-    t23 = t15 + t22
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = t24 @ t0
-    t26 = t23 @ t25
-    t27 = t19 @ t13
-    F = t27
-    t28 = (2/(L*math.sqrt(d_K)*d_V)) * F
-    t29 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
-    t30 = t28 + t29
-    t31 = np.swapaxes(V_W_V, -1, -2)
-    t32 = t31 @ t0
-    t33 = t30 @ t32
-    t34 = t26 + t33
-    t35 = t34 * Mcausal
-    t36 = X @ W_K
-    t37 = t35 @ t36
-    t38 = t0 @ t37
-    t39 = t30 @ t25
-    t40 = Mcausal * t39
-    t41 = X @ V_W_K
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = t38 + t43
-    t45 = np.swapaxes(F, -1, -2)
-    t46 = (2/(L*math.sqrt(d_K)*d_V)) * t45
-    t47 = np.swapaxes(Y, -1, -2)
-    t48 = (-2/(L*math.sqrt(d_K)*d_V)) * t47
-    t49 = t46 + t48
-    t50 = V_W_V @ t49
-    t51 = X @ t50
-    t52 = np.swapaxes(Mcausal, -1, -2)
-    t53 = np.swapaxes(T, -1, -2)
-    t54 = t52 * t53
-    t55 = t0 @ t54
-    t56 = t31 @ t55
-    t57 = (2/(L*math.sqrt(d_K)*d_V)) * t56
-    t58 = np.swapaxes(W_Q, -1, -2)
-    t59 = t58 @ t0
-    t60 = V_W_K @ t59
-    t61 = X @ t60
-    t62 = (1/math.sqrt(d_K)) * t61
-    t63 = np.swapaxes(V_W_Q, -1, -2)
-    t64 = t63 @ t0
-    t65 = W_K @ t64
-    t66 = X @ t65
-    t67 = (1/math.sqrt(d_K)) * t66
-    t68 = t62 + t67
-    t69 = t68 * t52
-    t70 = t0 @ t69
-    t71 = t24 @ t70
-    t72 = (2/(L*math.sqrt(d_K)*d_V)) * t71
-    t73 = t57 + t72
-    t74 = W_V @ t73
-    t75 = X @ t74
-    t76 = t51 + t75
-    t77 = t76 * t52
-    t78 = X @ W_Q
-    t79 = t77 @ t78
-    t80 = t0 @ t79
-    t81 = W_V @ t49
-    t82 = X @ t81
-    t83 = t82 * t52
-    t84 = X @ V_W_Q
-    t85 = t83 @ t84
-    t86 = t0 @ t85
-    t87 = t80 + t86
-    t88 = (2/(L*d_V)) * F
-    t89 = (-2/(L*d_V)) * Y
-    t90 = t88 + t89
-    t91 = t69 @ t90
-    t92 = t0 @ t91
-    t93 = (2/(L*d_V)) * t14
-    t94 = (2/(L*d_V)) * t21
-    t95 = t93 + t94
-    t96 = t54 @ t95
-    t97 = t0 @ t96
-    t98 = t92 + t97
-    return (t44.mean(0), t87.mean(0), t98.mean(0),)
+    t11 = t10 * Mcausal
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    t14 = t5 @ t3
+    t15 = (1/math.sqrt(d_K)) * t14
+    T = t15
+    t16 = Mcausal * T
+    t17 = X @ V_W_V
+    t18 = t16 @ t17
+    t19 = t13 + t18
+    t20 = (2/(L*math.sqrt(d_K)*d_V)) * t19
+    t21 = np.swapaxes(t12, -1, -2)
+    t22 = t20 @ t21
+    t23 = t16 @ t12
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*math.sqrt(d_K)*d_V)) * t24
+    t26 = np.swapaxes(t17, -1, -2)
+    t27 = t25 @ t26
+    t28 = t22 + t27
+    t29 = t28 * Mcausal
+    t30 = np.swapaxes(t3, -1, -2)
+    t31 = t29 @ t30
+    t32 = t25 @ t21
+    t33 = Mcausal * t32
+    t34 = np.swapaxes(t7, -1, -2)
+    t35 = t33 @ t34
+    t36 = t31 + t35
+    t37 = t0 @ t36
+    t38 = np.swapaxes(t27, -1, -2)
+    t39 = np.swapaxes(t22, -1, -2)
+    t40 = t38 + t39
+    t41 = np.swapaxes(Mcausal, -1, -2)
+    t42 = t40 * t41
+    t43 = t42 @ t5
+    t44 = np.swapaxes(t32, -1, -2)
+    t45 = t44 * t41
+    t46 = t45 @ t1
+    t47 = t43 + t46
+    t48 = t0 @ t47
+    t49 = np.swapaxes(t8, -1, -2)
+    t50 = np.swapaxes(t4, -1, -2)
+    t51 = t49 + t50
+    t52 = (1/math.sqrt(d_K)) * t51
+    t53 = t52 * t41
+    t54 = (2/(L*d_V)) * t24
+    t55 = t53 @ t54
+    t56 = np.swapaxes(T, -1, -2)
+    t57 = t41 * t56
+    t58 = (2/(L*d_V)) * t19
+    t59 = t57 @ t58
+    t60 = t55 + t59
+    t61 = t0 @ t60
+    return ((t37[0] if n_batch == 1 else t37.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)), (t61[0] if n_batch == 1 else t61.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -4795,7 +4504,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = np.sqrt(np.maximum(t8, 0.0))
     t10 = W_Q @ t2
@@ -4803,48 +4512,44 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
-    t14 = X @ W_V
+    t14 = np.swapaxes(t4, -1, -2)
     t15 = t13 @ t14
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G @ t4
-    t20 = Mcausal * t19
-    t21 = t20 @ X
-    t22 = X @ W_Q
-    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t21, t0, t2, Mcausal, t6, Mcausal, t22, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t22, X, t0, t2, Mcausal, t6, Mcausal, t22, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    t25 = t13 @ X
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t25, W_V, t0, t2, Mcausal, X, t25, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t25, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = np.swapaxes(G, -1, -2)
-    t29 = W_V @ t28
-    t30 = X @ t29
-    t31 = np.swapaxes(Mcausal, -1, -2)
-    t32 = t30 * t31
-    t33 = t32 @ X
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t35 = t34 @ t0
-    t36 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t33, t0, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t33, t0, t35, t31, t6, t31, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t35, t31, t6, t31, t7, X, t0, t35, t31, t6, t31, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G @ t4
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = X @ W_Q
+    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t20, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t21, X, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = t13 @ X
+    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, t24, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = np.swapaxes(t18, -1, -2)
+    t28 = np.swapaxes(Mcausal, -1, -2)
+    t29 = t27 * t28
+    t30 = t29 @ X
+    t31 = np.swapaxes(t21, -1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t30, t0, t30, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t30, t0, t31, t28, t6, t28, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, t7, X, t0, t31, t28, t6, t28, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    t34 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, X, t21, t0, t31, t28, t6, t28, X, t21, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t31, t28, X, G, t0, t31, t28, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t31, t28, X, G, t0, t31, t28, X, W_V, t24, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t31, t28, X, W_V, t24, t0, t31, t28, X, W_V, t24, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
     t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t35, t31, t6, t31, X, t22, t0, t35, t31, t6, t31, X, t22, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t39 = np.sqrt(np.maximum(t38, 0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t35, t31, X, G, t0, t35, t31, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t35, t31, X, G, t0, t35, t31, X, W_V, t25, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t35, t31, X, W_V, t25, t0, t35, t31, X, W_V, t25, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = np.swapaxes(T, -1, -2)
-    t43 = t31 * t42
-    t44 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t43, t4, Mcausal, X, t7, t0, t43, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t43, t4, Mcausal, X, t7, t0, t28, t31, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t31, t7, X, t0, t28, t31, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t45 = np.sqrt(np.maximum(t44, 0.0))
-    t46 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t43, t4, Mcausal, t22, X, t0, t43, t4, Mcausal, t22, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t43, t4, Mcausal, t22, X, t0, t28, t31, X, t22, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t31, X, t22, t0, t28, t31, X, t22, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t47 = np.sqrt(np.maximum(t46, 0.0))
-    t48 = t43 @ t13
-    t49 = t48 @ X
-    t50 = t0 @ t49
-    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
-    t52 = np.sqrt(np.maximum(t51, 0.0))
-    return (t9, t24, t27, t37, t39, t41, t45, t47, t52,)
+    t38 = np.swapaxes(T, -1, -2)
+    t39 = t28 * t38
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, X, t7, t0, t39, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, X, t7, t0, t40, t28, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, t7, X, t0, t40, t28, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t42 = np.sqrt(np.maximum(t41, 0.0))
+    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, t21, X, t0, t39, t4, Mcausal, t21, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, t21, X, t0, t40, t28, X, t21, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, X, t21, t0, t40, t28, X, t21, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    t45 = np.swapaxes(t24, -1, -2)
+    t46 = t45 @ t24
+    t47 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t46, t46, optimize=[(0, 1)])
+    t48 = np.sqrt(np.maximum(t47, 0.0))
+    return (t9, t23, t26, t33, t35, t37, t42, t44, t48,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4863,7 +4568,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
     t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
@@ -4885,7 +4590,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -4905,7 +4610,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
@@ -4925,7 +4630,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = np.sqrt(np.maximum(t8, 0.0))
     return t9
@@ -4953,26 +4658,23 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = Mcausal * t16
-    t18 = t17 @ X
-    t19 = np.ones((d_K,), dtype=X.dtype)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
-    t22 = W_V @ t15
-    t23 = X @ t22
-    t24 = X @ W_Q
-    t25 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t26 = oe.contract('abc,acd->bdac', t2, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(t9, -1, -2)
+    t14 = G @ t13
+    t15 = Mcausal * t14
+    t16 = t15 @ X
+    t17 = np.ones((d_K,), dtype=X.dtype)
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
+    t1 += oe.contract('ab,c->acb', t19, t18, optimize=[(0, 1)])
+    t20 = t9 @ t13
+    t21 = X @ W_Q
+    t22 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t23 = oe.contract('abc,acd->bdac', t2, t21, optimize=[(0, 1)])
+    t24 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t22, t20, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4994,21 +4696,18 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_V, -1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = W_V @ t13
-    t18 = X @ t17
-    t19 = X @ W_Q
-    t20 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t16, t0, t2, Mcausal, t18, Mcausal, t19, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t18, Mcausal, t19, X, t0, t2, Mcausal, t18, Mcausal, t19, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(t7, -1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t13 @ X
+    t15 = t7 @ t11
+    t16 = X @ W_Q
+    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t14, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t15, Mcausal, t16, X, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5033,15 +4732,13 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
     t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t12 = X @ W_V
-    t13 = t7 @ t12
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t17, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = t8 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t15, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5061,16 +4758,14 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = Mcausal * T
     t7 = t6 @ X
-    t8 = X @ W_V
-    t9 = t6 @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t8 = t7 @ W_V
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5090,7 +4785,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
@@ -5111,7 +4806,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = np.swapaxes(t2, -1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -5137,29 +4832,26 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = W_V @ t14
-    t16 = X @ t15
-    t17 = np.swapaxes(Mcausal, -1, -2)
-    t18 = t16 * t17
-    t19 = t18 @ X
-    t20 = np.ones((d_K,), dtype=X.dtype)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc,acd->bd', t2, t19, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = t23 @ t2
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = t25 @ t2
-    t27 = W_V @ t26
-    t28 = X @ t27
-    t29 = X @ W_K
-    t30 = (2/(L*d_K*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t24, t30, t28, t17, t29, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = W_V @ t13
+    t15 = X @ t14
+    t16 = np.swapaxes(Mcausal, -1, -2)
+    t17 = t15 * t16
+    t18 = t17 @ X
+    t19 = np.ones((d_K,), dtype=X.dtype)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
+    t22 = np.swapaxes(W_Q, -1, -2)
+    t23 = t22 @ t2
+    t24 = np.swapaxes(t9, -1, -2)
+    t25 = t9 @ t24
+    t26 = np.swapaxes(t4, -1, -2)
+    t27 = (2/(L*d_K*d_V*n_batch)) * t16
+    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t23, t27, t25, t16, t26, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5181,26 +4873,23 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = W_V @ t12
-    t14 = X @ t13
-    t15 = np.swapaxes(Mcausal, -1, -2)
-    t16 = t14 * t15
-    t17 = t16 @ X
-    t18 = np.swapaxes(W_Q, -1, -2)
-    t19 = t18 @ t0
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t20 @ t0
-    t22 = W_V @ t21
-    t23 = X @ t22
-    t24 = X @ W_K
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t17, t0, t17, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t17, t0, t19, t15, t23, t15, t24, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t19, t15, t23, t15, t24, X, t0, t19, t15, t23, t15, t24, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = W_V @ t11
+    t13 = X @ t12
+    t14 = np.swapaxes(Mcausal, -1, -2)
+    t15 = t13 * t14
+    t16 = t15 @ X
+    t17 = np.swapaxes(W_Q, -1, -2)
+    t18 = t17 @ t0
+    t19 = np.swapaxes(t7, -1, -2)
+    t20 = t7 @ t19
+    t21 = np.swapaxes(t2, -1, -2)
+    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t16, t0, t18, t14, t20, t14, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t18, t14, t20, t14, t21, X, t0, t18, t14, t20, t14, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5220,7 +4909,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
     t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
@@ -5243,7 +4932,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = np.swapaxes(t2, -1, -2)
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t10 = np.sqrt(np.maximum(t9, 0.0))
     return t10
@@ -5262,27 +4951,26 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = np.swapaxes(Mcausal, -1, -2)
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = np.swapaxes(t3, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
     t11 = X @ W_V
     t12 = t10 @ t11
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = t10 @ X
-    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t20, X, W_V, t19, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t18 = t10 @ X
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t19, X, W_V, t18, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5297,24 +4985,23 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ t0
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = np.swapaxes(Mcausal, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
     t8 = (1/math.sqrt(d_K)) * t7
     T = t8
     t9 = Mcausal * T
     t10 = X @ W_V
     t11 = t9 @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t9 @ X
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t15, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t15, t0, t2, t3, X, W_V, t15, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t9 @ X
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t14, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t14, t0, t2, t3, X, W_V, t14, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5391,22 +5078,21 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = t2 * t8
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t1
-    t12 = X @ W_K
+    t12 = np.swapaxes(t4, -1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
     t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     t16 = Mcausal * T
-    t17 = X @ W_V
+    t17 = np.swapaxes(t11, -1, -2)
     t18 = t16 @ t17
     F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t22, t23, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t21, t22, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5429,19 +5115,18 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 * t7
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t9 @ t0
-    t11 = X @ W_K
+    t11 = np.swapaxes(t3, -1, -2)
     t12 = Mcausal * T
-    t13 = X @ W_V
+    t13 = np.swapaxes(t10, -1, -2)
     t14 = t12 @ t13
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t18, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t18, t1, t11, X, t0, t18, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t17, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, t11, X, t0, t17, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5469,18 +5154,17 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t1, t9, t11, t13, t12, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
     t14 = Mcausal * T
-    t15 = X @ W_V
+    t15 = np.swapaxes(t11, -1, -2)
     t16 = t14 @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t22 = oe.contract('abc,acd->bdac', t20, t12, optimize=[(0, 1)])
-    t23 = oe.contract('abc,cd,ace->bead', t1, t21, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t21 = oe.contract('abc,acd->bdac', t19, t12, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5505,17 +5189,16 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t0
     t11 = X @ W_Q
     t12 = Mcausal * T
-    t13 = X @ W_V
+    t13 = np.swapaxes(t10, -1, -2)
     t14 = t12 @ t13
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t18, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t18, t1, X, t11, t0, t18, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t17, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, X, t11, t0, t17, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5589,7 +5272,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = np.swapaxes(t2, -1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = t8 + 0.0 + 0.0
     t10 = np.sqrt(np.maximum(t8, 0.0))
@@ -5613,29 +5296,27 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t6 = X @ t5
     t7 = X @ W_Q
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = W_Q @ t2
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    T = t11
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G @ t4
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
-    t23 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t21, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t24 = t8 + t22 + t23
-    t25 = np.sqrt(np.maximum(t8, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t9 = t7 @ t2
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = Mcausal * T
+    t12 = np.swapaxes(t4, -1, -2)
+    t13 = t11 @ t12
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G @ t4
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t19, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t22 = t8 + t20 + t21
+    t23 = np.sqrt(np.maximum(t8, 0.0))
+    t24 = np.sqrt(np.maximum(t20, 0.0))
+    t25 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -5658,17 +5339,16 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t10 = t6 @ t8
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t16 = t9 + t14 + t15
-    t17 = np.sqrt(np.maximum(t9, 0.0))
-    t18 = np.sqrt(np.maximum(t14, 0.0))
-    t19 = np.sqrt(np.maximum(t16, 0.0))
-    return (t17, t18, t19,)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t14 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t15 = t9 + t13 + t14
+    t16 = np.sqrt(np.maximum(t9, 0.0))
+    t17 = np.sqrt(np.maximum(t13, 0.0))
+    t18 = np.sqrt(np.maximum(t15, 0.0))
+    return (t16, t17, t18,)
 
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5688,33 +5368,30 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_K
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = np.swapaxes(W_K, -1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
+    t10 = np.swapaxes(t5, -1, -2)
+    t11 = np.swapaxes(t2, -1, -2)
+    t12 = np.swapaxes(t8, -1, -2)
+    t13 = t11 @ t12
     t14 = (1/math.sqrt(d_K)) * t13
     T = t14
     t15 = Mcausal * T
-    t16 = X @ W_V
-    t17 = t15 @ t16
-    F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = W_V @ t21
-    t23 = X @ t22
-    t24 = t23 * t3
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t26, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
-    t29 = t9 + t27 + t28
-    t30 = np.sqrt(np.maximum(t9, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t16 = t15 @ t10
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = t10 @ t19
+    t21 = t20 * t3
+    t22 = t21 @ X
+    t23 = t0 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t23, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
+    t26 = t9 + t24 + t25
+    t27 = np.sqrt(np.maximum(t9, 0.0))
+    t28 = np.sqrt(np.maximum(t24, 0.0))
+    t29 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -5732,7 +5409,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = np.swapaxes(t2, -1, -2)
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t10 = t9 + 0.0 + 0.0
     t11 = np.sqrt(np.maximum(t9, 0.0))
@@ -5752,10 +5429,10 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = np.swapaxes(Mcausal, -1, -2)
     t4 = X @ W_V
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = np.swapaxes(t2, -1, -2)
+    t6 = np.swapaxes(W_K, -1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
@@ -5763,17 +5440,16 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t13 = t10 @ t4
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = t12 + t17 + t18
-    t20 = np.sqrt(np.maximum(t12, 0.0))
-    t21 = np.sqrt(np.maximum(t17, 0.0))
-    t22 = np.sqrt(np.maximum(t19, 0.0))
-    return (t20, t21, t22,)
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t18 = t12 + t16 + t17
+    t19 = np.sqrt(np.maximum(t12, 0.0))
+    t20 = np.sqrt(np.maximum(t16, 0.0))
+    t21 = np.sqrt(np.maximum(t18, 0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5796,24 +5472,23 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
-    t12 = X @ W_K
+    t12 = np.swapaxes(t3, -1, -2)
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = Mcausal * T
-    t15 = X @ W_V
+    t15 = np.swapaxes(t11, -1, -2)
     t16 = t14 @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t1, t12, X, t0, t20, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t20, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = np.sqrt(np.maximum(t13, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, t12, X, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t22 = t13 + t20 + t21
+    t23 = np.sqrt(np.maximum(t13, 0.0))
+    t24 = np.sqrt(np.maximum(t20, 0.0))
+    t25 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -5839,21 +5514,20 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = Mcausal * T
-    t15 = X @ W_V
+    t15 = np.swapaxes(t11, -1, -2)
     t16 = t14 @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t1, X, t12, t0, t20, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t20, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = np.sqrt(np.maximum(t13, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, X, t12, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t22 = t13 + t20 + t21
+    t23 = np.sqrt(np.maximum(t13, 0.0))
+    t24 = np.sqrt(np.maximum(t20, 0.0))
+    t25 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -6017,7 +5691,7 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     t11 = t10.sum(-1, keepdims=True)
     t12 = t11.sum(-2, keepdims=True)
     t13 = (-1/L) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -6029,10 +5703,10 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
@@ -6041,28 +5715,23 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = X @ W_Q
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = np.swapaxes(T, -1, -2)
-    t30 = t29 @ G
-    t31 = t0 @ t30
-    return (t21.mean(0), t28.mean(0), t31.mean(0),)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(t8, -1, -2)
+    t15 = G @ t14
+    t16 = t0 @ t15
+    t17 = np.swapaxes(t5, -1, -2)
+    t18 = t16 @ t17
+    t19 = (1/math.sqrt(d_K)) * t18
+    t20 = np.swapaxes(t15, -1, -2)
+    t21 = t0 @ t20
+    t22 = t21 @ t3
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = np.swapaxes(T, -1, -2)
+    t25 = t0 @ t24
+    t26 = t25 @ G
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t26[0] if n_batch == 1 else t26.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -6091,68 +5760,64 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = (1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = X @ W_Q
-    t25 = t16 @ X
-    t26 = oe.contract('abc,acd->bdac', t19, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t25, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
-    t30 = T @ X
-    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t31, t30, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t36 = t2 @ t5
-    t37 = np.swapaxes(W_Q, -1, -2)
-    t38 = t37 @ t2
-    t39 = np.swapaxes(Y, -1, -2)
-    t40 = t39.sum(-2, keepdims=True)
-    t41 = np.broadcast_to(t40, t40.shape[:-2] + (d_V, t40.shape[-1]))
-    t42 = (1/(L*d_K*n_batch)) * t38
-    t43 = oe.contract('abc,acd,adce,aef->bfad', t36, t41, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
-    t35[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
-    t47 = oe.contract('abc,acd->bdac', t42, t24, optimize=[(0, 1)])
-    t48 = oe.contract('abc,acd,adce,aef->bfad', t36, t41, dA, t25, optimize=[(0, 1), (0, 1), (0, 1)])
-    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_V), copy=False)
-    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t38
-    t52 = oe.contract('abc,acd,adce->bead', t36, t41, dA, optimize=[(1, 2), (0, 1)])
-    t53 = oe.contract('abc,acd->bdac', t51, t30, optimize=[(0, 1)])
-    t50[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
-    t56 = np.swapaxes(T, -1, -2)
-    t57 = t2 @ t56
-    t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t59 = oe.contract('abc,abcd,ade->ceab', t8, dA, t18, optimize=[(0, 1), (0, 1)])
-    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
-    t63 = oe.contract('abc,acd->bdac', t58, t24, optimize=[(0, 1)])
-    t64 = oe.contract('abc,abcd,ade->ceab', t8, dA, t25, optimize=[(0, 1), (0, 1)])
-    t62[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66 = np.reshape(t65, (d_V, d_V, d_V, d_V), copy=False)
-    t67 = (1/(L*n_batch)) * t57
-    t66[...] = oe.contract('abc,acd,acde,acf->bdfe', t67, t8, dA, t30, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = np.swapaxes(t6, -1, -2)
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
+    t21 = X @ W_Q
+    t22 = np.swapaxes(t5, -1, -2)
+    t23 = t22 @ X
+    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
+    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = T @ X
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.swapaxes(t23, -1, -2)
+    t35 = np.swapaxes(t21, -1, -2)
+    t36 = np.swapaxes(Y, -1, -2)
+    t37 = t36.sum(-2, keepdims=True)
+    t38 = np.broadcast_to(t37, t37.shape[:-2] + (d_V, t37.shape[-1]))
+    t39 = (1/(L*d_K*n_batch)) * t35
+    t40 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t44 = oe.contract('abc,acd->bdac', t39, t21, optimize=[(0, 1)])
+    t45 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t35
+    t49 = oe.contract('abc,acd,adce->bead', t34, t38, dA, optimize=[(1, 2), (0, 1)])
+    t50 = oe.contract('abc,acd->bdac', t48, t28, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_V, d_V, d_K), copy=False)
+    t53 = np.swapaxes(t28, -1, -2)
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
+    t55 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
+    t59 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
+    t60 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
+    t63 = (1/(L*n_batch)) * t53
+    t62[...] = oe.contract('abc,acd,acde,acf->bdfe', t63, t8, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -6165,55 +5830,44 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t0 = np.swapaxes(X, -1, -2)
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
     t9 = T @ t8
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t11 = V_W_Q @ t4
+    t11 = V_W_Q @ t5
     t12 = X @ t11
-    t13 = (1/math.sqrt(d_K)) * t12
-    t14 = np.swapaxes(V_W_K, -1, -2)
-    t15 = t14 @ t0
-    t16 = W_Q @ t15
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    t19 = t13 + t18
-    t20 = t19 @ t8
-    t21 = X @ V_W_V
-    t22 = T @ t21
-    t23 = t20 + t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
-    t26 = t2 * t25
-    t27 = np.swapaxes(W_V, -1, -2)
-    t28 = t27 @ t0
-    t29 = t26 @ t28
-    t30 = X @ W_K
-    t31 = t29 @ t30
+    t13 = np.swapaxes(V_W_K, -1, -2)
+    t14 = t13 @ t0
+    t15 = t3 @ t14
+    t16 = t12 + t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    t18 = t17 @ t8
+    t19 = T @ X
+    t20 = t19 @ V_W_V
+    t21 = t18 + t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    t24 = t2 * t23
+    t25 = np.swapaxes(t8, -1, -2)
+    t26 = t24 @ t25
+    t27 = t0 @ t26
+    t28 = np.swapaxes(t5, -1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K))) * t29
+    t31 = np.swapaxes(t26, -1, -2)
     t32 = t0 @ t31
-    t33 = (1/(L*math.sqrt(d_K))) * t32
-    t34 = np.swapaxes(Y, -1, -2)
-    t35 = t34.sum(-2, keepdims=True)
-    t36 = np.broadcast_to(t35, t35.shape[:-2] + (d_V, t35.shape[-1]))
-    t37 = np.swapaxes(t25, -1, -2)
-    t38 = t36 * t37
-    t39 = W_V @ t38
-    t40 = X @ t39
-    t41 = X @ W_Q
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = (1/(L*math.sqrt(d_K))) * t43
-    t45 = np.swapaxes(T, -1, -2)
-    t46 = t45 @ t26
-    t47 = t0 @ t46
-    t48 = (1/L) * t47
-    return (t33.mean(0), t44.mean(0), t48.mean(0),)
+    t33 = t32 @ t3
+    t34 = (1/(L*math.sqrt(d_K))) * t33
+    t35 = np.swapaxes(t19, -1, -2)
+    t36 = t35 @ t24
+    t37 = (1/L) * t36
+    return ((t30[0] if n_batch == 1 else t30.mean(0)), (t34[0] if n_batch == 1 else t34.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -6239,40 +5893,36 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = X @ W_Q
-    t20 = t14 @ X
-    t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t19, t20, t0, t4, t6, dA, t19, t20, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = T @ X
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t23, t0, t4, t6, dA, t23, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = t0 @ t3
-    t27 = np.swapaxes(W_Q, -1, -2)
-    t28 = t27 @ t0
-    t29 = np.swapaxes(Y, -1, -2)
-    t30 = t29.sum(-2, keepdims=True)
-    t31 = np.broadcast_to(t30, t30.shape[:-2] + (d_V, t30.shape[-1]))
-    t32 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t26, t28, t31, dA, X, t16, t26, t28, t31, dA, X, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    t34 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t26, t28, t31, dA, t19, t20, t26, t28, t31, dA, t19, t20, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t26, t28, t31, dA, t23, t26, t28, t31, dA, t23, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = np.swapaxes(t4, -1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    t16 = X @ W_Q
+    t17 = np.swapaxes(t3, -1, -2)
+    t18 = t17 @ X
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t16, t18, t0, t4, t6, dA, t16, t18, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    t21 = T @ X
+    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t21, t0, t4, t6, dA, t21, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = np.swapaxes(t18, -1, -2)
+    t25 = np.swapaxes(t16, -1, -2)
+    t26 = np.swapaxes(Y, -1, -2)
+    t27 = t26.sum(-2, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-2] + (d_V, t27.shape[-1]))
+    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, X, t13, t24, t25, t28, dA, X, t13, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, t16, t18, t24, t25, t28, dA, t16, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t24, t25, t28, dA, t21, t24, t25, t28, dA, t21, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    t35 = np.swapaxes(t21, -1, -2)
+    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, X, t13, t35, t6, dA, X, t13, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
     t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = np.swapaxes(T, -1, -2)
-    t39 = t0 @ t38
-    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t39, t6, dA, X, t16, t39, t6, dA, X, t16, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, t16, t18, t35, t6, dA, t16, t18, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t35, t6, dA, t21, t35, t6, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t39, t6, dA, t19, t20, t39, t6, dA, t19, t20, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t43 = np.sqrt(np.maximum(t42, 0.0))
-    t44 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t39, t6, dA, t23, t39, t6, dA, t23, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t45 = np.sqrt(np.maximum(t44, 0.0))
-    return (t18, t22, t25, t33, t35, t37, t41, t43, t45,)
+    return (t15, t20, t23, t30, t32, t34, t37, t39, t41,)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6300,14 +5950,11 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acb->bac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t14 = np.swapaxes(t5, -1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6334,11 +5981,8 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t16, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t13 = np.swapaxes(t4, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6366,14 +6010,11 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t14 = np.swapaxes(t5, -1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6400,13 +6041,10 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t13 = np.swapaxes(t4, -1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6435,13 +6073,12 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t14 = X @ W_Q
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t1
-    t17 = t16 @ X
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,acd->bdac', t18, t14, optimize=[(0, 1)])
-    t20 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t15 = np.swapaxes(t4, -1, -2)
+    t16 = t15 @ X
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6469,12 +6106,11 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t13 = X @ W_Q
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = t15 @ X
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t16, t0, t4, t6, dA, t13, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t14 = np.swapaxes(t3, -1, -2)
+    t15 = t14 @ X
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6555,10 +6191,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6567,12 +6203,9 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t21, t8, dA, t17, t20, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = np.swapaxes(t3, -1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6590,10 +6223,10 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6602,11 +6235,8 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t16, t19, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t16 = np.swapaxes(t2, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6625,10 +6255,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6637,14 +6267,13 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_K
-    t20 = t18 @ t19
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t17 = np.swapaxes(t2, -1, -2)
+    t18 = np.swapaxes(t11, -1, -2)
+    t19 = t17 @ t18
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6662,10 +6291,10 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6674,13 +6303,12 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t19, t2, t4, t7, dA, X, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t16 = np.swapaxes(t1, -1, -2)
+    t17 = np.swapaxes(t10, -1, -2)
+    t18 = t16 @ t17
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6699,10 +6327,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6711,14 +6339,11 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t17 = np.swapaxes(t3, -1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6736,10 +6361,10 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6748,13 +6373,10 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t16 = np.swapaxes(t2, -1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6773,10 +6395,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6807,10 +6429,10 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6844,18 +6466,17 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = np.swapaxes(t8, -1, -2)
+    t12 = t11 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t17 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acb->bac', t16, t15, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6876,15 +6497,14 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t14, optimize=[(0, 3), (0, 1), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6906,8 +6526,8 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = np.swapaxes(t8, -1, -2)
+    t12 = t11 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
@@ -6915,7 +6535,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t1
-    t17 = X @ W_K
+    t17 = np.swapaxes(t3, -1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t20 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
@@ -6941,8 +6561,8 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
@@ -6950,7 +6570,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
-    t16 = X @ W_K
+    t16 = np.swapaxes(t2, -1, -2)
     t17 = t15 @ t16
     t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = np.sqrt(np.maximum(t18, 0.0))
@@ -6976,8 +6596,8 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = np.swapaxes(t8, -1, -2)
+    t12 = t11 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
@@ -7011,8 +6631,8 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
@@ -7046,16 +6666,15 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = np.swapaxes(t8, -1, -2)
+    t12 = t11 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t10, dA, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7076,17 +6695,16 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -7117,58 +6735,50 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t6 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = np.swapaxes(W_V, -1, -2)
-    t20 = t19 @ t4
-    t21 = G @ t20
-    t22 = t21 @ X
-    t23 = t4 @ t22
-    t24 = np.ones((d_K,), dtype=X.dtype)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t3 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t28 = t4 @ G
-    t29 = t8 @ X
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t27[...] = oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t34 = np.swapaxes(G, -1, -2)
-    t35 = W_V @ t34
-    t36 = X @ t35
-    t37 = t36 @ X
-    t38 = t4 @ t37
-    t33 += oe.contract('abc,d->bdc', t38, t25, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39[...] = 0
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
-    t42 = t4 @ X
-    t43 = np.swapaxes(W_Q, -1, -2)
-    t44 = t43 @ t4
-    t45 = t44 @ G
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t41[...] = oe.contract('abc,ade->bdce', t46, t45, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = X @ W_K
-    t50 = t4 @ t49
-    t51 = t34 @ X
-    t52 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t48[...] = oe.contract('abc,ade->bdec', t52, t51, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_V, d_V, d_K), copy=False)
-    t55 = X @ W_Q
-    t56 = t34 @ t55
-    t54[...] = oe.contract('abc,ade->bdce', t46, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57[...] = 0
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = np.swapaxes(t12, -1, -2)
+    t19 = G @ t18
+    t20 = t19 @ X
+    t21 = t4 @ t20
+    t22 = np.ones((d_K,), dtype=X.dtype)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t3 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
+    t26 = t4 @ G
+    t27 = t8 @ X
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t25[...] = oe.contract('abc,ade->bdec', t28, t27, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = np.swapaxes(t21, -1, -2)
+    t31 += oe.contract('abc,d->bdc', t32, t23, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
+    t36 = t4 @ X
+    t37 = np.swapaxes(W_Q, -1, -2)
+    t38 = t37 @ t4
+    t39 = t38 @ G
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t35[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_V, d_V, d_K), copy=False)
+    t43 = np.swapaxes(t27, -1, -2)
+    t44 = np.swapaxes(t26, -1, -2)
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
+    t48 = np.swapaxes(t39, -1, -2)
+    t47[...] = oe.contract('abc,ade->bdce', t40, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
     return H
 
 
@@ -7181,10 +6791,10 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t0 = np.swapaxes(X, -1, -2)
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
@@ -7193,53 +6803,38 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(V_W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = t22 @ t0
-    t24 = G @ t23
-    t25 = X @ V_W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = t21 + t28
-    t30 = np.swapaxes(G, -1, -2)
-    t31 = V_W_V @ t30
-    t32 = X @ t31
-    t33 = X @ W_Q
-    t34 = t32 @ t33
-    t35 = t0 @ t34
-    t36 = (1/math.sqrt(d_K)) * t35
-    t37 = W_V @ t30
-    t38 = X @ t37
-    t39 = X @ V_W_Q
-    t40 = t38 @ t39
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(V_W_V, -1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = np.swapaxes(t5, -1, -2)
+    t18 = t16 @ t17
+    t19 = np.swapaxes(t8, -1, -2)
+    t20 = G @ t19
+    t21 = X @ V_W_K
+    t22 = t20 @ t21
+    t23 = t18 + t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = t0 @ t24
+    t26 = np.swapaxes(t16, -1, -2)
+    t27 = t26 @ t3
+    t28 = np.swapaxes(t20, -1, -2)
+    t29 = X @ V_W_Q
+    t30 = t28 @ t29
+    t31 = t27 + t30
+    t32 = (1/math.sqrt(d_K)) * t31
+    t33 = t0 @ t32
+    t34 = np.swapaxes(t3, -1, -2)
+    t35 = t21 @ t34
+    t36 = np.swapaxes(t29, -1, -2)
+    t37 = t17 @ t36
+    t38 = t35 + t37
+    t39 = (1/math.sqrt(d_K)) * t38
+    t40 = t39 @ G
     t41 = t0 @ t40
-    t42 = (1/math.sqrt(d_K)) * t41
-    t43 = t36 + t42
-    t44 = np.swapaxes(W_Q, -1, -2)
-    t45 = t44 @ t0
-    t46 = V_W_K @ t45
-    t47 = X @ t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = np.swapaxes(V_W_Q, -1, -2)
-    t50 = t49 @ t0
-    t51 = W_K @ t50
-    t52 = X @ t51
-    t53 = (1/math.sqrt(d_K)) * t52
-    t54 = t48 + t53
-    t55 = t54 @ G
-    t56 = t0 @ t55
-    return (t29.mean(0), t43.mean(0), t56.mean(0),)
+    return ((t25[0] if n_batch == 1 else t25.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -7263,44 +6858,36 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    t22 = t0 @ G
-    t23 = t4 @ X
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t23, t22, t23, optimize=[(0, 2), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = W_V @ t26
-    t28 = X @ t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(t8, -1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = t0 @ G
+    t21 = t4 @ X
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = np.swapaxes(t17, -1, -2)
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = t0 @ X
+    t28 = np.swapaxes(W_Q, -1, -2)
+    t29 = t28 @ t0
+    t30 = t29 @ G
+    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t30, t27, t30, optimize=[(0, 2), (0, 1), (0, 1)])
     t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = t0 @ X
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t35 = t34 @ t0
-    t36 = t35 @ G
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t36, t33, t36, optimize=[(0, 2), (0, 1), (0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    t39 = X @ W_K
-    t40 = t0 @ t39
-    t41 = t26 @ X
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t40, t41, t40, t41, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = np.sqrt(np.maximum(t42, 0.0))
-    t44 = X @ W_Q
-    t45 = t26 @ t44
-    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t45, t33, t45, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = np.sqrt(np.maximum(t46, 0.0))
-    return (0.0, t21, t25, t32, 0.0, t38, t43, t47, 0.0,)
+    t33 = np.swapaxes(t21, -1, -2)
+    t34 = np.swapaxes(t20, -1, -2)
+    t35 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t34, t33, t34, optimize=[(0, 2), (0, 1), (0, 1)])
+    t36 = np.sqrt(np.maximum(t35, 0.0))
+    t37 = np.swapaxes(t30, -1, -2)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t37, t27, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    return (0.0, t19, t23, t26, 0.0, t32, t36, t39, 0.0,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7368,18 +6955,16 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t2
-    t19 = G @ t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = np.ones((d_K,), dtype=X.dtype)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(t10, -1, -2)
+    t17 = G @ t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = np.ones((d_K,), dtype=X.dtype)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7404,18 +6989,16 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(t8, -1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7441,14 +7024,13 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t1 @ G
-    t17 = t5 @ X
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = t1 @ G
+    t16 = t5 @ X
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,ade->bdec', t17, t16, optimize=[(0, 1)])
     return out
 
 
@@ -7473,15 +7055,14 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t0 @ G
-    t16 = t4 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t16, t15, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = t0 @ G
+    t15 = t4 @ X
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7529,18 +7110,17 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = W_V @ t17
-    t19 = X @ t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = np.ones((d_K,), dtype=X.dtype)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = W_V @ t16
+    t18 = X @ t17
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = np.ones((d_K,), dtype=X.dtype)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7565,18 +7145,17 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = W_V @ t15
-    t17 = X @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(G, -1, -2)
+    t15 = W_V @ t14
+    t16 = X @ t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7610,28 +7189,27 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t1 @ X
     t3 = np.swapaxes(W_Q, -1, -2)
-    t4 = Y.sum(-1, keepdims=True)
-    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(W_K, -1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = X @ W_V
-    t12 = T @ t11
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A = t13 / t13.sum(-1, keepdims=True)
-    t14 = t5 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
+    t4 = t3 @ t1
+    t5 = Y.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = np.swapaxes(t4, -1, -2)
+    t8 = np.swapaxes(W_K, -1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    T = t11
+    t12 = X @ W_V
+    t13 = T @ t12
+    F = t13
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = t6 * A
+    t16 = t15 - Y
+    t17 = (1/L) * t16
     G = t17
-    t18 = t3 @ t1
-    t19 = t18 @ G
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t18 = t4 @ G
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7644,29 +7222,28 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t0 = np.swapaxes(X, -1, -2)
     t1 = t0 @ X
     t2 = np.swapaxes(W_Q, -1, -2)
-    t3 = Y.sum(-1, keepdims=True)
-    t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A = t12 / t12.sum(-1, keepdims=True)
-    t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
+    t3 = t2 @ t0
+    t4 = Y.sum(-1, keepdims=True)
+    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
+    t6 = np.swapaxes(t3, -1, -2)
+    t7 = np.swapaxes(W_K, -1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = X @ W_V
+    t12 = T @ t11
+    F = t12
+    t13 = np.exp(F - F.max(-1, keepdims=True))
+    A = t13 / t13.sum(-1, keepdims=True)
+    t14 = t5 * A
+    t15 = t14 - Y
+    t16 = (1/L) * t15
     G = t16
-    t17 = t2 @ t0
-    t18 = t17 @ G
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t18, t1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t17 = t3 @ G
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7702,26 +7279,24 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t3 = t1 @ t2
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(W_K, -1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = X @ W_V
-    t12 = T @ t11
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A = t13 / t13.sum(-1, keepdims=True)
-    t14 = t5 * A
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = X @ W_V
+    t11 = T @ t10
+    F = t11
+    t12 = np.exp(F - F.max(-1, keepdims=True))
+    A = t12 / t12.sum(-1, keepdims=True)
+    t13 = t5 * A
+    t14 = t13 - Y
     t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = t18 @ X
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = t16 @ X
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -7736,27 +7311,25 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t2 = t0 @ t1
     t3 = Y.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A = t12 / t12.sum(-1, keepdims=True)
-    t13 = t4 * A
+    t5 = np.swapaxes(t1, -1, -2)
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = np.exp(F - F.max(-1, keepdims=True))
+    A = t11 / t11.sum(-1, keepdims=True)
+    t12 = t4 * A
+    t13 = t12 - Y
     t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = t17 @ X
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t18, t2, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = t15 @ X
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t16, t2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7783,15 +7356,14 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = X @ W_Q
-    t19 = t17 @ t18
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = X @ W_Q
+    t18 = t16 @ t17
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7817,16 +7389,15 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = X @ W_Q
-    t18 = t16 @ t17
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t18, t1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = X @ W_Q
+    t17 = t15 @ t16
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7875,105 +7446,102 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = (1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
+    t15 = np.swapaxes(t6, -1, -2)
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19[...] = 0
+    t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
+    t21 = np.einsum('abcb->abc', t20)
     F = t12
-    t25 = np.exp(F - F.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = t8 * A26
-    t28 = (1/L) * t27
-    t29 = (-1/L) * Y
-    t30 = t28 + t29
-    G = t30
-    t31 = G @ t16
-    t32 = t31 @ X
-    t33 = np.ones((d_K,), dtype=X.dtype)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
-    t24 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
-    t36 = X @ W_Q
-    t37 = t16 @ X
-    t38 = oe.contract('abc,acd->bdac', t19, t36, optimize=[(0, 1)])
-    t39 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
-    t42 = t4 @ X
-    t43 = T @ X
-    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,cd,aed,aedf->bfae', t42, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t46 = oe.contract('abc,acd->bdac', t44, t43, optimize=[(0, 1)])
-    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t48 = oe.contract('abc,acd->bda', t47, G, optimize=[(0, 1)])
-    t49 = oe.contract('abc->bca', t42, optimize=[(0,)])
-    t41 += oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t50[...] = 0
-    t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
-    t52 = np.einsum('abcb->abc', t51)
-    t53 = t2 @ t5
-    t54 = np.swapaxes(G, -1, -2)
-    t55 = oe.contract('abc,acd,ade->be', t53, t54, X, optimize=[(0, 1), (0, 1)])
-    t52 += oe.contract('ab,c->acb', t55, t34, optimize=[(0, 1)])
-    t56 = np.swapaxes(W_Q, -1, -2)
-    t57 = t56 @ t2
-    t58 = np.swapaxes(Y, -1, -2)
-    t59 = t58.sum(-2, keepdims=True)
-    t60 = np.broadcast_to(t59, t59.shape[:-2] + (d_V, t59.shape[-1]))
-    t61 = (1/(L*d_K*n_batch)) * t57
-    t62 = oe.contract('abc,acd,adce,aef->bfad', t53, t60, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
-    t51 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_K, d_V, d_K), copy=False)
-    t66 = oe.contract('abc,acd->bdac', t61, t36, optimize=[(0, 1)])
-    t67 = oe.contract('abc,acd,adce,aef->bfad', t53, t60, dA, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69 = np.reshape(t68, (d_V, d_K, d_V, d_V), copy=False)
-    t70 = t2 @ X
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t57
-    t72 = oe.contract('abc,acd->bda', t71, G, optimize=[(0, 1)])
-    t73 = oe.contract('abc->bca', t70, optimize=[(0,)])
-    t69[...] = oe.contract('abc,dec->daeb', t72, t73, optimize=[(0, 1)])
-    t74 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t75 = oe.contract('abc,cd,ade,aedf->bfae', t70, W_V, t60, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t76 = oe.contract('abc,acd->bdac', t74, t43, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
-    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t78 = np.reshape(t77, (d_V, d_V, d_V, d_K), copy=False)
-    t79 = t54 @ X
-    t80 = oe.contract('abc,acd->bda', t47, t17, optimize=[(0, 1)])
-    t81 = oe.contract('abc->bca', t79, optimize=[(0,)])
-    t78[...] = oe.contract('abc,dec->adeb', t80, t81, optimize=[(0, 1)])
-    t82 = np.swapaxes(T, -1, -2)
-    t83 = (1/(L*math.sqrt(d_K)*n_batch)) * t82
-    t84 = oe.contract('abc,abcd,ade->ceab', t8, dA, t18, optimize=[(0, 1), (0, 1)])
-    t85 = oe.contract('abc,acd,ade->bead', t2, t83, X, optimize=[(0, 1), (0, 1)])
-    t78 += oe.contract('abcd,efcd->eafb', t84, t85, optimize=[(0, 1)])
-    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t87 = np.reshape(t86, (d_V, d_V, d_V, d_K), copy=False)
-    t88 = t54 @ t36
-    t87[...] = oe.contract('abc,acd,aef->bedf', t47, X, t88, optimize=[(0, 1), (0, 1)])
-    t89 = oe.contract('abc,acd,ade->bead', t2, t83, t36, optimize=[(0, 1), (0, 1)])
-    t90 = oe.contract('abc,abcd,ade->ceab', t8, dA, t37, optimize=[(0, 1), (0, 1)])
-    t87 += oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
-    t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t92 = np.reshape(t91, (d_V, d_V, d_V, d_V), copy=False)
-    t93 = t2 @ t82
-    t94 = (1/(L*n_batch)) * t93
-    t92[...] = oe.contract('abc,acd,acde,acf->bdfe', t94, t8, dA, t43, optimize=[(1, 2), (0, 1), (0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t8 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = np.swapaxes(t5, -1, -2)
+    t28 = G @ t27
+    t29 = t28 @ X
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = oe.contract('abc,acd->bd', t2, t29, optimize=[(0, 1)])
+    t21 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
+    t33 = X @ W_Q
+    t34 = t27 @ X
+    t35 = oe.contract('abc,acd->bdac', t16, t33, optimize=[(0, 1)])
+    t36 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
+    t39 = t4 @ X
+    t40 = T @ X
+    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42 = oe.contract('abc,cd,aed,aedf->bfae', t39, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t41, t40, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t45 = oe.contract('abc,acd->bda', t44, G, optimize=[(0, 1)])
+    t46 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t38 += oe.contract('abc,dec->adeb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47[...] = 0
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = np.einsum('abcb->abc', t48)
+    t50 = np.swapaxes(t34, -1, -2)
+    t51 = np.swapaxes(G, -1, -2)
+    t52 = oe.contract('abc,acd,ade->be', t50, t51, X, optimize=[(0, 1), (0, 1)])
+    t49 += oe.contract('ab,c->acb', t52, t31, optimize=[(0, 1)])
+    t53 = np.swapaxes(t33, -1, -2)
+    t54 = np.swapaxes(Y, -1, -2)
+    t55 = t54.sum(-2, keepdims=True)
+    t56 = np.broadcast_to(t55, t55.shape[:-2] + (d_V, t55.shape[-1]))
+    t57 = (1/(L*d_K*n_batch)) * t53
+    t58 = oe.contract('abc,acd,adce,aef->bfad', t50, t56, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t59 = oe.contract('abc,acd->bdac', t57, X, optimize=[(0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
+    t62 = oe.contract('abc,acd->bdac', t57, t33, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd,adce,aef->bfad', t50, t56, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65 = np.reshape(t64, (d_V, d_K, d_V, d_V), copy=False)
+    t66 = t2 @ X
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
+    t69 = oe.contract('abc->bca', t66, optimize=[(0,)])
+    t65[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
+    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
+    t71 = oe.contract('abc,cd,ade,aedf->bfae', t66, W_V, t56, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t72 = oe.contract('abc,acd->bdac', t70, t40, optimize=[(0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
+    t75 = np.swapaxes(t4, -1, -2)
+    t76 = t51 @ X
+    t77 = oe.contract('abc,acd->bda', t44, t75, optimize=[(0, 1)])
+    t78 = oe.contract('abc->bca', t76, optimize=[(0,)])
+    t74[...] = oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
+    t79 = np.swapaxes(T, -1, -2)
+    t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t81 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abc,acd,ade->bead', t2, t80, X, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
+    t85 = t51 @ t33
+    t84[...] = oe.contract('abc,acd,aef->bedf', t44, X, t85, optimize=[(0, 1), (0, 1)])
+    t86 = oe.contract('abc,acd,ade->bead', t2, t80, t33, optimize=[(0, 1), (0, 1)])
+    t87 = oe.contract('abc,abcd,ade->ceab', t8, dA, t34, optimize=[(0, 1), (0, 1)])
+    t84 += oe.contract('abcd,efcd->aefb', t86, t87, optimize=[(0, 1)])
+    t88 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t89 = np.reshape(t88, (d_V, d_V, d_V, d_V), copy=False)
+    t90 = np.swapaxes(t40, -1, -2)
+    t91 = (1/(L*n_batch)) * t90
+    t89[...] = oe.contract('abc,acd,acde,acf->bdfe', t91, t8, dA, t40, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -7986,10 +7554,10 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t0 = np.swapaxes(X, -1, -2)
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
@@ -7998,90 +7566,56 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/(L*math.sqrt(d_K))) * t11
-    t13 = (-1/(L*math.sqrt(d_K))) * Y
-    t14 = t12 + t13
-    t15 = np.swapaxes(V_W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = t14 @ t16
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = np.swapaxes(W_V, -1, -2)
-    t22 = t21 @ t0
-    t23 = t14 @ t22
-    t24 = X @ V_W_K
-    t25 = t23 @ t24
-    t26 = t0 @ t25
-    t27 = V_W_Q @ t4
-    t28 = X @ t27
-    t29 = (1/math.sqrt(d_K)) * t28
-    t30 = np.swapaxes(V_W_K, -1, -2)
-    t31 = t30 @ t0
-    t32 = W_Q @ t31
-    t33 = X @ t32
-    t34 = (1/math.sqrt(d_K)) * t33
-    t35 = t29 + t34
-    t36 = t35 @ t8
-    t37 = X @ V_W_V
-    t38 = T @ t37
-    t39 = t36 + t38
-    t40 = t39 - (A * t39).sum(-1, keepdims=True)
-    t41 = A * t40
-    t42 = t2 * t41
-    t43 = t42 @ t22
-    t44 = t43 @ t18
-    t45 = t0 @ t44
-    t46 = (1/(L*math.sqrt(d_K))) * t45
-    t47 = t20 + t26 + t46
-    t48 = np.swapaxes(Y, -1, -2)
-    t49 = t48.sum(-2, keepdims=True)
-    t50 = np.broadcast_to(t49, t49.shape[:-2] + (d_V, t49.shape[-1]))
-    t51 = np.swapaxes(A, -1, -2)
-    t52 = t50 * t51
-    t53 = (1/(L*math.sqrt(d_K))) * t52
-    t54 = (-1/(L*math.sqrt(d_K))) * t48
-    t55 = t53 + t54
-    t56 = V_W_V @ t55
-    t57 = X @ t56
-    t58 = X @ W_Q
-    t59 = t57 @ t58
+    t12 = t11 - Y
+    t13 = (1/(L*math.sqrt(d_K))) * t12
+    t14 = np.swapaxes(V_W_V, -1, -2)
+    t15 = t14 @ t0
+    t16 = t13 @ t15
+    t17 = np.swapaxes(t5, -1, -2)
+    t18 = t16 @ t17
+    t19 = np.swapaxes(t8, -1, -2)
+    t20 = t13 @ t19
+    t21 = X @ V_W_K
+    t22 = t20 @ t21
+    t23 = X @ V_W_Q
+    t24 = t23 @ t5
+    t25 = np.swapaxes(t21, -1, -2)
+    t26 = t3 @ t25
+    t27 = t24 + t26
+    t28 = (1/math.sqrt(d_K)) * t27
+    t29 = t28 @ t8
+    t30 = np.swapaxes(t15, -1, -2)
+    t31 = T @ t30
+    t32 = t29 + t31
+    t33 = t32 - (A * t32).sum(-1, keepdims=True)
+    t34 = A * t33
+    t35 = t2 * t34
+    t36 = t35 @ t19
+    t37 = t36 @ t17
+    t38 = (1/(L*math.sqrt(d_K))) * t37
+    t39 = t18 + t22 + t38
+    t40 = t0 @ t39
+    t41 = np.swapaxes(t16, -1, -2)
+    t42 = t41 @ t3
+    t43 = np.swapaxes(t20, -1, -2)
+    t44 = t43 @ t23
+    t45 = np.swapaxes(t36, -1, -2)
+    t46 = t45 @ t3
+    t47 = (1/(L*math.sqrt(d_K))) * t46
+    t48 = t42 + t44 + t47
+    t49 = t0 @ t48
+    t50 = np.swapaxes(t26, -1, -2)
+    t51 = np.swapaxes(t24, -1, -2)
+    t52 = t50 + t51
+    t53 = (1/math.sqrt(d_K)) * t52
+    t54 = (1/L) * t12
+    t55 = t53 @ t54
+    t56 = np.swapaxes(T, -1, -2)
+    t57 = t56 @ t35
+    t58 = (1/L) * t57
+    t59 = t55 + t58
     t60 = t0 @ t59
-    t61 = W_V @ t55
-    t62 = X @ t61
-    t63 = X @ V_W_Q
-    t64 = t62 @ t63
-    t65 = t0 @ t64
-    t66 = np.swapaxes(t41, -1, -2)
-    t67 = t50 * t66
-    t68 = W_V @ t67
-    t69 = X @ t68
-    t70 = t69 @ t58
-    t71 = t0 @ t70
-    t72 = (1/(L*math.sqrt(d_K))) * t71
-    t73 = t60 + t65 + t72
-    t74 = np.swapaxes(W_Q, -1, -2)
-    t75 = t74 @ t0
-    t76 = V_W_K @ t75
-    t77 = X @ t76
-    t78 = (1/math.sqrt(d_K)) * t77
-    t79 = np.swapaxes(V_W_Q, -1, -2)
-    t80 = t79 @ t0
-    t81 = W_K @ t80
-    t82 = X @ t81
-    t83 = (1/math.sqrt(d_K)) * t82
-    t84 = t78 + t83
-    t85 = (1/L) * t11
-    t86 = (-1/L) * Y
-    t87 = t85 + t86
-    t88 = t84 @ t87
-    t89 = t0 @ t88
-    t90 = np.swapaxes(T, -1, -2)
-    t91 = t90 @ t42
-    t92 = t0 @ t91
-    t93 = (1/L) * t92
-    t94 = t89 + t93
-    return (t47.mean(0), t73.mean(0), t94.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -8107,55 +7641,52 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t13 = np.swapaxes(t4, -1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
     F = t10
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t6 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t14
-    t26 = t25 @ X
-    t27 = X @ W_Q
-    t28 = t14 @ X
-    t29 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t26, t0, t26, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t26, t0, t4, t6, dA, t27, t28, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t27, t28, t0, t4, t6, dA, t27, t28, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = t2 @ X
-    t32 = T @ X
-    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t31, W_V, t6, dA, t32, t0, t31, W_V, t6, dA, t32, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t31, W_V, t6, dA, t32, t0, t31, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t31, G, t0, t31, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    t35 = t0 @ t3
-    t36 = np.swapaxes(G, -1, -2)
-    t37 = np.swapaxes(W_Q, -1, -2)
-    t38 = t37 @ t0
-    t39 = np.swapaxes(Y, -1, -2)
-    t40 = t39.sum(-2, keepdims=True)
-    t41 = np.broadcast_to(t40, t40.shape[:-2] + (d_V, t40.shape[-1]))
-    t42 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t35, t36, X, t35, t36, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t35, t36, X, t35, t38, t41, dA, t16, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t35, t38, t41, dA, t16, X, t35, t38, t41, dA, t16, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t43 = np.sqrt(np.maximum(t42, 0.0))
-    t44 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t35, t38, t41, dA, t27, t28, t35, t38, t41, dA, t27, t28, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t45 = np.sqrt(np.maximum(t44, 0.0))
-    t46 = t0 @ X
-    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t46, t38, G, t46, t38, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t46, t38, G, t46, t38, W_V, t41, dA, t32, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t46, t38, W_V, t41, dA, t32, t46, t38, W_V, t41, dA, t32, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48 = np.sqrt(np.maximum(t47, 0.0))
-    t49 = t36 @ X
-    t50 = np.swapaxes(T, -1, -2)
-    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t49, t0, t15, t49, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t15, t49, t0, t50, t6, dA, X, t16, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t50, t6, dA, X, t16, t0, t50, t6, dA, X, t16, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t6 * A17
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = np.swapaxes(t3, -1, -2)
+    t22 = G @ t21
+    t23 = t22 @ X
+    t24 = X @ W_Q
+    t25 = t21 @ X
+    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t23, t0, t23, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t23, t0, t4, t6, dA, t24, t25, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t24, t25, t0, t4, t6, dA, t24, t25, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = t2 @ X
+    t29 = T @ X
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t28, W_V, t6, dA, t29, t0, t28, W_V, t6, dA, t29, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t28, W_V, t6, dA, t29, t0, t28, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = np.swapaxes(t25, -1, -2)
+    t33 = np.swapaxes(G, -1, -2)
+    t34 = np.swapaxes(t24, -1, -2)
+    t35 = np.swapaxes(Y, -1, -2)
+    t36 = t35.sum(-2, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-2] + (d_V, t36.shape[-1]))
+    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t32, t33, X, t32, t33, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t32, t33, X, t32, t34, t37, dA, t13, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t32, t34, t37, dA, t13, X, t32, t34, t37, dA, t13, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t32, t34, t37, dA, t24, t25, t32, t34, t37, dA, t24, t25, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = t0 @ X
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t42, t34, G, t42, t34, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t42, t34, G, t42, t34, W_V, t37, dA, t29, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t42, t34, W_V, t37, dA, t29, t42, t34, W_V, t37, dA, t29, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    t45 = np.swapaxes(t2, -1, -2)
+    t46 = t33 @ X
+    t47 = np.swapaxes(T, -1, -2)
+    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t45, t46, t0, t45, t46, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t45, t46, t0, t47, t6, dA, X, t13, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, X, t13, t0, t47, t6, dA, X, t13, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    t50 = t33 @ t24
+    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t50, t0, t47, t6, dA, t24, t25, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, t24, t25, t0, t47, t6, dA, t24, t25, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
     t52 = np.sqrt(np.maximum(t51, 0.0))
-    t53 = t36 @ t27
-    t54 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t53, t0, X, t53, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t53, t0, t50, t6, dA, t27, t28, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t50, t6, dA, t27, t28, t0, t50, t6, dA, t27, t28, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t53 = np.swapaxes(t29, -1, -2)
+    t54 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t53, t6, dA, t29, t53, t6, dA, t29, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t55 = np.sqrt(np.maximum(t54, 0.0))
-    t56 = t0 @ t50
-    t57 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t56, t6, dA, t32, t56, t6, dA, t32, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t58 = np.sqrt(np.maximum(t57, 0.0))
-    return (t18, t30, t34, t43, t45, t48, t52, t55, t58,)
+    return (t15, t27, t31, t39, t41, t44, t49, t52, t55,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8183,14 +7714,11 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acb->bac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t14 = np.swapaxes(t5, -1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -8217,11 +7745,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t16, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t13 = np.swapaxes(t4, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8249,14 +7774,11 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t14 = np.swapaxes(t5, -1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -8283,13 +7805,10 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t13 = np.swapaxes(t4, -1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8317,30 +7836,28 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t2
-    t19 = G @ t18
-    t20 = t19 @ X
-    t21 = np.ones((d_K,), dtype=X.dtype)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t23, t22, optimize=[(0, 1)])
-    t24 = t6 @ t10
-    t25 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.eye(d_V, dtype=X.dtype)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(t10, -1, -2)
+    t17 = G @ t16
+    t18 = t17 @ X
+    t19 = np.ones((d_K,), dtype=X.dtype)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
+    t22 = t6 @ t10
+    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = X @ W_Q
-    t29 = t18 @ X
-    t30 = (1/(L*d_K*n_batch)) * t2
-    t31 = oe.contract('abc,acd->bdac', t30, t28, optimize=[(0, 1)])
-    t32 = oe.contract('abc,adc,adce,aef->bfad', t24, t4, dA, t29, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
+    t26 = X @ W_Q
+    t27 = t16 @ X
+    t28 = (1/(L*d_K*n_batch)) * t2
+    t29 = oe.contract('abc,acd->bdac', t28, t26, optimize=[(0, 1)])
+    t30 = oe.contract('abc,adc,adce,aef->bfad', t22, t4, dA, t27, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8365,25 +7882,23 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t4 @ t8
-    t20 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.eye(d_V, dtype=X.dtype)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(t8, -1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t4 @ t8
+    t18 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t23 = X @ W_Q
-    t24 = t16 @ X
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t18, t0, t19, t2, dA, t23, t24, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t19, t2, dA, t23, t24, t0, t19, t2, dA, t23, t24, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t21 = X @ W_Q
+    t22 = t14 @ X
+    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t16, t0, t17, t2, dA, t21, t22, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t17, t2, dA, t21, t22, t0, t17, t2, dA, t21, t22, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8420,14 +7935,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = t6 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t25 = oe.contract('abc,acd->bda', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abc->bca', t4, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t24 = oe.contract('abc,acd->bda', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8459,13 +7973,12 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t5 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8484,10 +7997,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -8496,12 +8009,9 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t21, t8, dA, t17, t20, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = np.swapaxes(t3, -1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8519,10 +8029,10 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -8531,11 +8041,8 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t16, t19, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t16 = np.swapaxes(t2, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8564,33 +8071,31 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t6 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = np.ones((d_K,), dtype=X.dtype)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd,ade->be', t4, t18, X, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_Q, -1, -2)
-    t23 = t22 @ t2
-    t24 = np.swapaxes(Y, -1, -2)
-    t25 = t24.sum(-2, keepdims=True)
-    t26 = np.broadcast_to(t25, t25.shape[:-2] + (d_V, t25.shape[-1]))
-    t27 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = np.eye(d_V, dtype=X.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = np.ones((d_K,), dtype=X.dtype)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abc,acd,ade->be', t4, t17, X, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
+    t21 = np.swapaxes(W_Q, -1, -2)
+    t22 = t21 @ t2
+    t23 = np.swapaxes(Y, -1, -2)
+    t24 = t23.sum(-2, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
+    t26 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
-    t30 = np.swapaxes(W_V, -1, -2)
-    t31 = t30 @ t2
-    t32 = X @ W_K
-    t33 = t31 @ t32
-    t34 = (1/(L*d_K*n_batch)) * t23
-    t35 = oe.contract('abc,acd,adce,aef->bfad', t4, t26, dA, t33, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = oe.contract('abc,acd->bdac', t34, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t29 = np.swapaxes(t3, -1, -2)
+    t30 = np.swapaxes(t8, -1, -2)
+    t31 = t29 @ t30
+    t32 = (1/(L*d_K*n_batch)) * t22
+    t33 = oe.contract('abc,acd,adce,aef->bfad', t4, t25, dA, t31, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -8616,28 +8121,26 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t4 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = np.swapaxes(W_Q, -1, -2)
-    t18 = t17 @ t0
-    t19 = np.swapaxes(Y, -1, -2)
-    t20 = t19.sum(-2, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-2] + (d_V, t20.shape[-1]))
-    t22 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.eye(d_V, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.swapaxes(W_Q, -1, -2)
+    t17 = t16 @ t0
+    t18 = np.swapaxes(Y, -1, -2)
+    t19 = t18.sum(-2, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-2] + (d_V, t19.shape[-1]))
+    t21 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = t25 @ t0
-    t27 = X @ W_K
-    t28 = t26 @ t27
-    t29 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t16, X, t2, t16, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t16, X, t2, t18, t21, dA, t28, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t18, t21, dA, t28, X, t2, t18, t21, dA, t28, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return t30
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = np.swapaxes(t1, -1, -2)
+    t25 = np.swapaxes(t6, -1, -2)
+    t26 = t24 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t15, X, t2, t15, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t15, X, t2, t17, t20, dA, t26, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t17, t20, dA, t26, X, t2, t17, t20, dA, t26, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    return t28
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8656,10 +8159,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -8668,14 +8171,11 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t17 = np.swapaxes(t3, -1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8693,10 +8193,10 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -8705,13 +8205,10 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t16 = np.swapaxes(t2, -1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8728,10 +8225,10 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t1
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(W_K, -1, -2)
-    t8 = t7 @ t1
-    t9 = W_Q @ t8
-    t10 = X @ t9
+    t7 = np.swapaxes(t4, -1, -2)
+    t8 = np.swapaxes(W_K, -1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
     t11 = (1/math.sqrt(d_K)) * t10
     T = t11
     t12 = X @ W_V
@@ -8740,27 +8237,26 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t6 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,acd->bda', t19, G, optimize=[(0, 1)])
-    t21 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
-    t22 = np.swapaxes(Y, -1, -2)
-    t23 = t22.sum(-2, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
-    t25 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.eye(d_V, dtype=X.dtype)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,acd->bda', t18, G, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
+    t21 = np.swapaxes(Y, -1, -2)
+    t22 = t21.sum(-2, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
+    t24 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = T @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t30 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t24, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t27 = T @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t29 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t23, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t28, t27, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8776,10 +8272,10 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t0
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(W_K, -1, -2)
-    t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = np.swapaxes(t3, -1, -2)
+    t7 = np.swapaxes(W_K, -1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = X @ W_V
@@ -8788,22 +8284,21 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t5 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(Y, -1, -2)
-    t19 = t18.sum(-2, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-2] + (d_V, t19.shape[-1]))
-    t21 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.eye(d_V, dtype=X.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(Y, -1, -2)
+    t18 = t17.sum(-2, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-2] + (d_V, t18.shape[-1]))
+    t20 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = T @ X
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t20, dA, t24, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t20, dA, t24, t1, t3, W_V, t20, dA, t24, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t23 = T @ X
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t19, dA, t23, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t19, dA, t23, t1, t3, W_V, t19, dA, t23, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8825,18 +8320,17 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = np.swapaxes(t8, -1, -2)
+    t12 = t11 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t17 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acb->bac', t16, t15, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -8857,15 +8351,14 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t14, optimize=[(0, 3), (0, 1), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8880,41 +8373,38 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t2 = X @ W_K
     t3 = Y.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A = t12 / t12.sum(-1, keepdims=True)
-    t13 = t4 * A
+    t5 = np.swapaxes(t2, -1, -2)
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = np.exp(F - F.max(-1, keepdims=True))
+    A = t11 / t11.sum(-1, keepdims=True)
+    t12 = t4 * A
+    t13 = t12 - Y
     t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = t17 @ X
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = oe.contract('abc,acd->bda', t19, t2, optimize=[(0, 1)])
-    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
-    t22 = np.swapaxes(T, -1, -2)
-    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.eye(d_V, dtype=X.dtype)
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = t15 @ X
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bda', t17, t2, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
+    t20 = np.swapaxes(T, -1, -2)
+    t21 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
-    t26 = np.swapaxes(W_V, -1, -2)
-    t27 = t26 @ t1
-    t28 = t27 @ t2
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t30 = oe.contract('abc,abcd,ade->ceab', t4, dA, t28, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd,ade->bead', t1, t29, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = np.swapaxes(t9, -1, -2)
+    t25 = t24 @ t2
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t27 = oe.contract('abc,abcd,ade->ceab', t4, dA, t25, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd,ade->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -8928,36 +8418,33 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_K
     t2 = Y.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = np.exp(F - F.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = t3 * A
+    t4 = np.swapaxes(t1, -1, -2)
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = X @ W_V
+    t9 = T @ t8
+    F = t9
+    t10 = np.exp(F - F.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = t3 * A
+    t12 = t11 - Y
     t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = t16 @ X
-    t18 = np.swapaxes(T, -1, -2)
-    t19 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.eye(d_V, dtype=X.dtype)
+    G = t13
+    t14 = np.swapaxes(G, -1, -2)
+    t15 = t14 @ X
+    t16 = np.swapaxes(T, -1, -2)
+    t17 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = t22 @ t0
-    t24 = t23 @ t1
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t17, t0, t1, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t17, t0, t18, t3, dA, X, t24, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t18, t3, dA, X, t24, t0, t18, t3, dA, X, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
+    t20 = np.swapaxes(t8, -1, -2)
+    t21 = t20 @ t1
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t15, t0, t1, t15, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t15, t0, t16, t3, dA, X, t21, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t16, t3, dA, X, t21, t0, t16, t3, dA, X, t21, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8983,28 +8470,26 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = X @ W_Q
-    t18 = t16 @ t17
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t19, X, t18, optimize=[(0, 1), (0, 1)])
-    t20 = np.swapaxes(T, -1, -2)
-    t21 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.eye(d_V, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = X @ W_Q
+    t17 = t15 @ t16
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t18, X, t17, optimize=[(0, 1), (0, 1)])
+    t19 = np.swapaxes(T, -1, -2)
+    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = t24 @ t1
-    t26 = t25 @ X
-    t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t17, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t23 = np.swapaxes(t9, -1, -2)
+    t24 = t23 @ X
+    t25 = (1/(L*math.sqrt(d_K)*n_batch)) * t19
+    t26 = oe.contract('abc,acd,ade->bead', t1, t25, t16, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,abcd,ade->ceab', t3, dA, t24, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -9029,25 +8514,23 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = X @ W_Q
-    t17 = t15 @ t16
-    t18 = np.swapaxes(T, -1, -2)
-    t19 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.eye(d_V, dtype=X.dtype)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(G, -1, -2)
+    t15 = X @ W_Q
+    t16 = t14 @ t15
+    t17 = np.swapaxes(T, -1, -2)
+    t18 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = t22 @ t0
-    t24 = t23 @ X
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t17, t0, X, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t17, t0, t18, t2, dA, t16, t24, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t18, t2, dA, t16, t24, t0, t18, t2, dA, t16, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t21 = np.swapaxes(t8, -1, -2)
+    t22 = t21 @ X
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t16, t0, X, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t16, t0, t17, t2, dA, t15, t22, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t17, t2, dA, t15, t22, t0, t17, t2, dA, t15, t22, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -9069,16 +8552,15 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = np.swapaxes(t8, -1, -2)
+    t12 = t11 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t10, dA, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9099,17 +8581,16 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9135,15 +8616,12 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = t17 + 0.0 + 0.0
-    t19 = np.sqrt(np.maximum(t17, 0.0))
-    t20 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, 0.0, t20,)
+    t13 = np.swapaxes(t4, -1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = t14 + 0.0 + 0.0
+    t16 = np.sqrt(np.maximum(t14, 0.0))
+    t17 = np.sqrt(np.maximum(t15, 0.0))
+    return (t16, 0.0, t17,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -9170,28 +8648,26 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t13 = X @ W_Q
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = t15 @ X
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t16, t0, t4, t6, dA, t13, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t14 = np.swapaxes(t3, -1, -2)
+    t15 = t14 @ X
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
     F = t10
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t6 * A19
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t6 * A18
+    t20 = t19 - Y
     t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t15
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t16, t26, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t29 = t17 + t27 + t28
-    t30 = np.sqrt(np.maximum(t17, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    G = t21
+    t22 = G @ t14
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t15, t24, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t27 = t16 + t25 + t26
+    t28 = np.sqrt(np.maximum(t16, 0.0))
+    t29 = np.sqrt(np.maximum(t25, 0.0))
+    t30 = np.sqrt(np.maximum(t27, 0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -9223,19 +8699,18 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = t6 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t0 @ G
-    t22 = t2 @ X
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t21, t22, t21, t22, optimize=[(0, 2), (0, 1), (0, 1)])
-    t24 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t21, t22, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
-    t25 = t14 + t23 + t24
-    t26 = np.sqrt(np.maximum(t14, 0.0))
-    t27 = np.sqrt(np.maximum(t23, 0.0))
-    t28 = np.sqrt(np.maximum(t25, 0.0))
-    return (t26, t27, t28,)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t0 @ G
+    t21 = t2 @ X
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t20, t21, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
+    t24 = t14 + t22 + t23
+    t25 = np.sqrt(np.maximum(t14, 0.0))
+    t26 = np.sqrt(np.maximum(t22, 0.0))
+    t27 = np.sqrt(np.maximum(t24, 0.0))
+    return (t25, t26, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9252,10 +8727,10 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -9264,33 +8739,30 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t19, t2, t4, t7, dA, X, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = Y.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t16 = np.swapaxes(t1, -1, -2)
+    t17 = np.swapaxes(t10, -1, -2)
+    t18 = t16 @ t17
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t20 = Y.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
     F = t13
-    t23 = np.exp(F - F.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t22 * A24
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t21 * A23
+    t25 = t24 - Y
     t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = np.swapaxes(G, -1, -2)
-    t30 = W_V @ t29
-    t31 = X @ t30
-    t32 = t31 @ X
-    t33 = t0 @ t32
-    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
-    t35 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t19, t33, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t36 = t20 + t34 + t35
-    t37 = np.sqrt(np.maximum(t20, 0.0))
-    t38 = np.sqrt(np.maximum(t34, 0.0))
-    t39 = np.sqrt(np.maximum(t36, 0.0))
-    return (t37, t38, t39,)
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = t1 @ t27
+    t29 = t28 @ X
+    t30 = t0 @ t29
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
+    t32 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t18, t30, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = t19 + t31 + t32
+    t34 = np.sqrt(np.maximum(t19, 0.0))
+    t35 = np.sqrt(np.maximum(t31, 0.0))
+    t36 = np.sqrt(np.maximum(t33, 0.0))
+    return (t34, t35, t36,)
 
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -9307,10 +8779,10 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -9319,15 +8791,12 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = t20 + 0.0 + 0.0
-    t22 = np.sqrt(np.maximum(t20, 0.0))
-    t23 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, 0.0, t23,)
+    t16 = np.swapaxes(t2, -1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = t17 + 0.0 + 0.0
+    t19 = np.sqrt(np.maximum(t17, 0.0))
+    t20 = np.sqrt(np.maximum(t18, 0.0))
+    return (t19, 0.0, t20,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -9344,10 +8813,10 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -9365,18 +8834,17 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t21 = np.exp(F - F.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = t20 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t4 @ G
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t27, t18, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t27, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t30 = t17 + t28 + t29
-    t31 = np.sqrt(np.maximum(t17, 0.0))
-    t32 = np.sqrt(np.maximum(t28, 0.0))
-    t33 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31, t32, t33,)
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t4 @ G
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t26, t18, t26, optimize=[(0, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t26, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t29 = t17 + t27 + t28
+    t30 = np.sqrt(np.maximum(t17, 0.0))
+    t31 = np.sqrt(np.maximum(t27, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9396,8 +8864,8 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
@@ -9405,7 +8873,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
-    t16 = X @ W_K
+    t16 = np.swapaxes(t2, -1, -2)
     t17 = t15 @ t16
     t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = t0 @ t16
@@ -9413,19 +8881,18 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = t9 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = t26 @ X
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t27, t19, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t27, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t30 = t18 + t28 + t29
-    t31 = np.sqrt(np.maximum(t18, 0.0))
-    t32 = np.sqrt(np.maximum(t28, 0.0))
-    t33 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31, t32, t33,)
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = np.swapaxes(G, -1, -2)
+    t26 = t25 @ X
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
+    t29 = t18 + t27 + t28
+    t30 = np.sqrt(np.maximum(t18, 0.0))
+    t31 = np.sqrt(np.maximum(t27, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -9445,8 +8912,8 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
@@ -9462,19 +8929,18 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = t9 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = t26 @ t14
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t27, t19, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t27, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t30 = t18 + t28 + t29
-    t31 = np.sqrt(np.maximum(t18, 0.0))
-    t32 = np.sqrt(np.maximum(t28, 0.0))
-    t33 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31, t32, t33,)
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = np.swapaxes(G, -1, -2)
+    t26 = t25 @ t14
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
+    t29 = t18 + t27 + t28
+    t30 = np.sqrt(np.maximum(t18, 0.0))
+    t31 = np.sqrt(np.maximum(t27, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -9494,19 +8960,18 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = np.swapaxes(t7, -1, -2)
+    t11 = t10 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t16 = t15 + 0.0 + 0.0
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = t14 + 0.0 + 0.0
+    t16 = np.sqrt(np.maximum(t14, 0.0))
     t17 = np.sqrt(np.maximum(t15, 0.0))
-    t18 = np.sqrt(np.maximum(t16, 0.0))
-    return (t17, 0.0, t18,)
+    return (t16, 0.0, t17,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -9532,7 +8997,7 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     t12 = t11.sum(-1, keepdims=True)
     t13 = t12.sum(-2, keepdims=True)
     t14 = (-1/L) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -9545,10 +9010,10 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -9558,32 +9023,27 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = X @ W_K
-    t21 = t19 @ t20
-    t22 = t0 @ t21
-    t23 = (1/math.sqrt(d_K)) * t22
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = W_V @ t24
-    t26 = X @ t25
-    t27 = np.swapaxes(Mcausal, -1, -2)
-    t28 = t26 * t27
-    t29 = X @ W_Q
-    t30 = t28 @ t29
-    t31 = t0 @ t30
-    t32 = (1/math.sqrt(d_K)) * t31
-    t33 = np.swapaxes(T, -1, -2)
-    t34 = t27 * t33
-    t35 = t34 @ G
-    t36 = t0 @ t35
-    return (t23.mean(0), t32.mean(0), t36.mean(0),)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(t9, -1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t0 @ t17
+    t19 = np.swapaxes(t5, -1, -2)
+    t20 = t18 @ t19
+    t21 = (1/math.sqrt(d_K)) * t20
+    t22 = np.swapaxes(t16, -1, -2)
+    t23 = np.swapaxes(Mcausal, -1, -2)
+    t24 = t22 * t23
+    t25 = t0 @ t24
+    t26 = t25 @ t3
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = np.swapaxes(T, -1, -2)
+    t29 = t23 * t28
+    t30 = t0 @ t29
+    t31 = t30 @ G
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -9613,61 +9073,57 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = (1/(L*d_K*n_batch)) * Mcausal
-    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t20 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t23 = X @ W_Q
-    t24 = oe.contract('abc->cab', t23, optimize=[(0,)])
-    t25 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t22[...] = oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t28 = t11 @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t30 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t29, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t31 = oe.contract('abc->cab', t28, optimize=[(0,)])
-    t27[...] = oe.contract('abcde,fde->abfc', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t35 = t34 @ t2
-    t36 = np.swapaxes(Mcausal, -1, -2)
-    t37 = np.swapaxes(Y, -1, -2)
-    t38 = t37.sum(-2, keepdims=True)
-    t39 = np.broadcast_to(t38, t38.shape[:-2] + (d_V, t38.shape[-1]))
-    t40 = (1/(L*d_K*n_batch)) * t36
-    t41 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t35, t40, t5, t39, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t33[...] = oe.contract('abcde,fde->abfc', t41, t20, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t35, t40, t5, t39, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t43[...] = oe.contract('abc,defbc->defa', t24, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
-    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
-    t48 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t35, t47, t5, t39, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t46[...] = oe.contract('abcde,fde->abfc', t48, t31, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t51 = np.swapaxes(T, -1, -2)
-    t52 = t36 * t51
-    t53 = t2 @ t52
-    t54 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t53, t7, dA, t16, t29, t17, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t50[...] = oe.contract('abcde,fde->abfc', t54, t20, optimize=[(0, 1)])
-    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_V, d_V, d_K), copy=False)
-    t57 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t53, t7, dA, t16, t29, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t56[...] = oe.contract('abc,defbc->defa', t24, t57, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t59 = np.reshape(t58, (d_V, d_V, d_V, d_V), copy=False)
-    t60 = (1/(L*n_batch)) * t53
-    t59[...] = oe.contract('abc,acd,acde,acf->bdfe', t60, t7, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = np.swapaxes(t5, -1, -2)
+    t16 = np.swapaxes(t4, -1, -2)
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t22 = X @ W_Q
+    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
+    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
+    t27 = t11 @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t29 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t28, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t30 = oe.contract('abc->cab', t27, optimize=[(0,)])
+    t26[...] = oe.contract('abcde,fde->abfc', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.swapaxes(t22, -1, -2)
+    t34 = np.swapaxes(Mcausal, -1, -2)
+    t35 = np.swapaxes(Y, -1, -2)
+    t36 = t35.sum(-2, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-2] + (d_V, t36.shape[-1]))
+    t38 = (1/(L*d_K*n_batch)) * t34
+    t39 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t32[...] = oe.contract('abcde,fde->abfc', t39, t19, optimize=[(0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
+    t42 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t41[...] = oe.contract('abc,defbc->defa', t23, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
+    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t46 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t33, t45, t5, t37, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t44[...] = oe.contract('abcde,fde->abfc', t46, t30, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
+    t49 = np.swapaxes(t27, -1, -2)
+    t50 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, t16, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t48[...] = oe.contract('abcde,fde->abfc', t50, t19, optimize=[(0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_V, d_V, d_K), copy=False)
+    t53 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t52[...] = oe.contract('abc,defbc->defa', t23, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_V), copy=False)
+    t56 = (1/(L*n_batch)) * t49
+    t55[...] = oe.contract('abc,acd,acde,acf->bdfe', t56, t7, dA, t27, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -9681,10 +9137,10 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -9692,50 +9148,38 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = t8 @ t9
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
-    t12 = V_W_Q @ t4
+    t12 = V_W_Q @ t5
     t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = np.swapaxes(V_W_K, -1, -2)
-    t16 = t15 @ t0
-    t17 = W_Q @ t16
-    t18 = X @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = t14 + t19
-    t21 = t20 * Mcausal
-    t22 = t21 @ t9
-    t23 = X @ V_W_V
-    t24 = t8 @ t23
-    t25 = t22 + t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
-    t28 = t2 * t27
-    t29 = np.swapaxes(W_V, -1, -2)
-    t30 = t29 @ t0
-    t31 = t28 @ t30
-    t32 = Mcausal * t31
-    t33 = X @ W_K
-    t34 = t32 @ t33
-    t35 = t0 @ t34
-    t36 = (1/(L*math.sqrt(d_K))) * t35
-    t37 = np.swapaxes(Y, -1, -2)
-    t38 = t37.sum(-2, keepdims=True)
-    t39 = np.broadcast_to(t38, t38.shape[:-2] + (d_V, t38.shape[-1]))
-    t40 = np.swapaxes(t27, -1, -2)
-    t41 = t39 * t40
-    t42 = W_V @ t41
-    t43 = X @ t42
-    t44 = np.swapaxes(Mcausal, -1, -2)
-    t45 = t43 * t44
-    t46 = X @ W_Q
-    t47 = t45 @ t46
-    t48 = t0 @ t47
-    t49 = (1/(L*math.sqrt(d_K))) * t48
-    t50 = np.swapaxes(T, -1, -2)
-    t51 = t44 * t50
-    t52 = t51 @ t28
-    t53 = t0 @ t52
-    t54 = (1/L) * t53
-    return (t36.mean(0), t49.mean(0), t54.mean(0),)
+    t14 = np.swapaxes(V_W_K, -1, -2)
+    t15 = t14 @ t0
+    t16 = t3 @ t15
+    t17 = t13 + t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    t19 = t18 * Mcausal
+    t20 = t19 @ t9
+    t21 = t8 @ X
+    t22 = t21 @ V_W_V
+    t23 = t20 + t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
+    t26 = t2 * t25
+    t27 = np.swapaxes(t9, -1, -2)
+    t28 = t26 @ t27
+    t29 = Mcausal * t28
+    t30 = t0 @ t29
+    t31 = np.swapaxes(t5, -1, -2)
+    t32 = t30 @ t31
+    t33 = (1/(L*math.sqrt(d_K))) * t32
+    t34 = np.swapaxes(t28, -1, -2)
+    t35 = np.swapaxes(Mcausal, -1, -2)
+    t36 = t34 * t35
+    t37 = t0 @ t36
+    t38 = t37 @ t3
+    t39 = (1/(L*math.sqrt(d_K))) * t38
+    t40 = np.swapaxes(t21, -1, -2)
+    t41 = t40 @ t26
+    t42 = (1/L) * t41
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t42[0] if n_batch == 1 else t42.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -9762,39 +9206,35 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = X @ W_Q
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t18, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t18, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = t9 @ X
-    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t21, t0, t2, Mcausal, t3, t5, dA, t21, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = np.swapaxes(W_Q, -1, -2)
-    t25 = t24 @ t0
-    t26 = np.swapaxes(Mcausal, -1, -2)
-    t27 = np.swapaxes(Y, -1, -2)
-    t28 = t27.sum(-2, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-2] + (d_V, t28.shape[-1]))
-    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t25, t26, t3, t29, dA, t14, Mcausal, X, t15, t0, t25, t26, t3, t29, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    t17 = X @ W_Q
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = t9 @ X
+    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t20, t0, t2, Mcausal, t3, t5, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = np.swapaxes(t17, -1, -2)
+    t24 = np.swapaxes(Mcausal, -1, -2)
+    t25 = np.swapaxes(Y, -1, -2)
+    t26 = t25.sum(-2, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-2] + (d_V, t26.shape[-1]))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t25, t26, t3, t29, dA, t14, Mcausal, t18, X, t0, t25, t26, t3, t29, dA, t14, Mcausal, t18, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t23, t24, t3, t27, dA, t20, t0, t23, t24, t3, t27, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
     t33 = np.sqrt(np.maximum(t32, 0.0))
-    t34 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t25, t26, t3, t29, dA, t21, t0, t25, t26, t3, t29, dA, t21, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    t36 = np.swapaxes(T, -1, -2)
-    t37 = t26 * t36
-    t38 = t0 @ t37
-    t39 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t38, t5, dA, t14, Mcausal, X, t15, t38, t5, dA, t14, Mcausal, X, t15, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t34 = np.swapaxes(t20, -1, -2)
+    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, X, t14, t34, t5, dA, t13, Mcausal, X, t14, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t36 = np.sqrt(np.maximum(t35, 0.0))
+    t37 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, t17, X, t34, t5, dA, t13, Mcausal, t17, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    t39 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t34, t5, dA, t20, t34, t5, dA, t20, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t40 = np.sqrt(np.maximum(t39, 0.0))
-    t41 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t38, t5, dA, t14, Mcausal, t18, X, t38, t5, dA, t14, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t42 = np.sqrt(np.maximum(t41, 0.0))
-    t43 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t38, t5, dA, t21, t38, t5, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    return (t17, t20, t23, t31, t33, t35, t40, t42, t44,)
+    return (t16, t19, t22, t29, t31, t33, t36, t38, t40,)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9823,13 +9263,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t19 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9857,10 +9296,9 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9889,13 +9327,12 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9923,12 +9360,11 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9957,13 +9393,12 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_Q
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc->cab', t16, optimize=[(0,)])
-    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = X @ W_Q
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9991,12 +9426,11 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_Q
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = X @ W_Q
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10080,10 +9514,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10093,11 +9527,9 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10116,10 +9548,10 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10129,10 +9561,8 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t17 = np.swapaxes(t4, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10152,10 +9582,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10165,13 +9595,12 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_K
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t22 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t23 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10190,10 +9619,10 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10203,12 +9632,11 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = np.swapaxes(t10, -1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10228,10 +9656,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10241,13 +9669,11 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
-    t23 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10266,10 +9692,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10279,12 +9705,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10304,10 +9728,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10340,10 +9764,10 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10381,19 +9805,17 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A = t16 / t16.sum(-1, keepdims=True)
-    t17 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.swapaxes(t10, -1, -2)
+    t14 = t13 @ W_V
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t20 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acb->bac', t19, t18, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10417,16 +9839,14 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t17, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10451,21 +9871,20 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A = t16 / t16.sum(-1, keepdims=True)
-    t17 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.swapaxes(t10, -1, -2)
+    t14 = t13 @ W_V
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_K
-    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t19, t21, t20, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t1
+    t19 = np.swapaxes(t4, -1, -2)
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, t19, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10489,20 +9908,19 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, X, t19, t9, t11, dA, t18, Mcausal, X, t19, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = t16 @ t0
+    t18 = np.swapaxes(t3, -1, -2)
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10527,21 +9945,20 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A = t16 / t16.sum(-1, keepdims=True)
-    t17 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.swapaxes(t10, -1, -2)
+    t14 = t13 @ W_V
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
-    t23 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t19, t21, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t1
+    t19 = X @ W_Q
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc->cab', t19, optimize=[(0,)])
+    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10565,20 +9982,19 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, t19, X, t9, t11, dA, t18, Mcausal, t19, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = t16 @ t0
+    t18 = X @ W_Q
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10603,17 +10019,15 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A = t16 / t16.sum(-1, keepdims=True)
-    t17 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.swapaxes(t10, -1, -2)
+    t14 = t13 @ W_V
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t12, dA, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -10637,18 +10051,16 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -10681,56 +10093,50 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t6 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t20 @ t4
-    t22 = G @ t21
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = t4 @ t24
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t3 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t29[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t30, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t34 = np.swapaxes(G, -1, -2)
-    t35 = W_V @ t34
-    t36 = X @ t35
-    t37 = np.swapaxes(Mcausal, -1, -2)
-    t38 = t36 * t37
-    t39 = t38 @ X
-    t40 = t4 @ t39
-    t33 += oe.contract('abc,d->bdc', t40, t27, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41[...] = 0
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
-    t44 = np.swapaxes(W_Q, -1, -2)
-    t45 = t44 @ t4
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t47 = oe.contract('abc,acd->bdac', t45, G, optimize=[(0, 1)])
-    t48 = oe.contract('abc,cd,ace->bead', t4, t46, X, optimize=[(0, 1), (0, 1)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t51 = X @ W_K
-    t50[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t34, t46, t51, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
-    t54 = X @ W_Q
-    t55 = oe.contract('abc,acd->bdac', t34, t54, optimize=[(0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t48, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56[...] = 0
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = np.swapaxes(t13, -1, -2)
+    t20 = G @ t19
+    t21 = Mcausal * t20
+    t22 = t21 @ X
+    t23 = t4 @ t22
+    t24 = np.ones((d_K,), dtype=X.dtype)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t3 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t27[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t28, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = np.swapaxes(t23, -1, -2)
+    t31 += oe.contract('abc,d->bdc', t32, t25, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
+    t36 = np.swapaxes(W_Q, -1, -2)
+    t37 = t36 @ t4
+    t38 = np.swapaxes(Mcausal, -1, -2)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
+    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
+    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
+    t44 = np.swapaxes(G, -1, -2)
+    t45 = np.swapaxes(t8, -1, -2)
+    t43[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t44, t39, t45, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
+    t48 = np.swapaxes(t37, -1, -2)
+    t49 = oe.contract('abc,acd->bdac', t44, t48, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t49, t41, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50[...] = 0
     return H
 
 
@@ -10744,10 +10150,10 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -10757,59 +10163,44 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(V_W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = X @ W_K
-    t21 = t19 @ t20
-    t22 = t0 @ t21
-    t23 = (1/math.sqrt(d_K)) * t22
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = t24 @ t0
-    t26 = G @ t25
-    t27 = Mcausal * t26
-    t28 = X @ V_W_K
-    t29 = t27 @ t28
-    t30 = t0 @ t29
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = t23 + t31
-    t33 = np.swapaxes(G, -1, -2)
-    t34 = V_W_V @ t33
-    t35 = X @ t34
-    t36 = np.swapaxes(Mcausal, -1, -2)
-    t37 = t35 * t36
-    t38 = X @ W_Q
-    t39 = t37 @ t38
-    t40 = t0 @ t39
-    t41 = (1/math.sqrt(d_K)) * t40
-    t42 = W_V @ t33
-    t43 = X @ t42
-    t44 = t43 * t36
-    t45 = X @ V_W_Q
-    t46 = t44 @ t45
-    t47 = t0 @ t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t41 + t48
-    t50 = np.swapaxes(W_Q, -1, -2)
-    t51 = t50 @ t0
-    t52 = V_W_K @ t51
-    t53 = X @ t52
-    t54 = (1/math.sqrt(d_K)) * t53
-    t55 = np.swapaxes(V_W_Q, -1, -2)
-    t56 = t55 @ t0
-    t57 = W_K @ t56
-    t58 = X @ t57
-    t59 = (1/math.sqrt(d_K)) * t58
-    t60 = t54 + t59
-    t61 = t60 * t36
-    t62 = t61 @ G
-    t63 = t0 @ t62
-    return (t32.mean(0), t49.mean(0), t63.mean(0),)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(V_W_V, -1, -2)
+    t16 = t15 @ t0
+    t17 = G @ t16
+    t18 = Mcausal * t17
+    t19 = np.swapaxes(t5, -1, -2)
+    t20 = t18 @ t19
+    t21 = np.swapaxes(t9, -1, -2)
+    t22 = G @ t21
+    t23 = Mcausal * t22
+    t24 = X @ V_W_K
+    t25 = t23 @ t24
+    t26 = t20 + t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = t0 @ t27
+    t29 = np.swapaxes(t17, -1, -2)
+    t30 = np.swapaxes(Mcausal, -1, -2)
+    t31 = t29 * t30
+    t32 = t31 @ t3
+    t33 = np.swapaxes(t22, -1, -2)
+    t34 = t33 * t30
+    t35 = X @ V_W_Q
+    t36 = t34 @ t35
+    t37 = t32 + t36
+    t38 = (1/math.sqrt(d_K)) * t37
+    t39 = t0 @ t38
+    t40 = np.swapaxes(t3, -1, -2)
+    t41 = t24 @ t40
+    t42 = np.swapaxes(t35, -1, -2)
+    t43 = t19 @ t42
+    t44 = t41 + t43
+    t45 = (1/math.sqrt(d_K)) * t44
+    t46 = t45 * t30
+    t47 = t46 @ G
+    t48 = t0 @ t47
+    return ((t28[0] if n_batch == 1 else t28.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -10835,40 +10226,34 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(t9, -1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t4, Mcausal, G, X, t0, t4, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t4, Mcausal, G, X, t0, t4, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = W_V @ t26
-    t28 = X @ t27
+    t24 = np.swapaxes(t19, -1, -2)
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = np.swapaxes(W_Q, -1, -2)
+    t28 = t27 @ t0
     t29 = np.swapaxes(Mcausal, -1, -2)
-    t30 = t28 * t29
-    t31 = t30 @ X
-    t32 = t0 @ t31
-    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    t35 = np.swapaxes(W_Q, -1, -2)
-    t36 = t35 @ t0
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t36, t29, X, G, t0, t36, t29, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t29, X, G, t0, t28, t29, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = np.swapaxes(G, -1, -2)
+    t33 = np.swapaxes(t4, -1, -2)
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, t33, X, t0, t32, t29, t33, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = np.swapaxes(t28, -1, -2)
+    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, X, t36, t0, t32, t29, X, t36, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t38 = np.sqrt(np.maximum(t37, 0.0))
-    t39 = X @ W_K
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t26, t29, t39, X, t0, t26, t29, t39, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = X @ W_Q
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t26, t29, X, t42, t0, t26, t29, X, t42, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    return (0.0, t23, t25, t34, 0.0, t38, t41, t44, 0.0,)
+    return (0.0, t21, t23, t26, 0.0, t31, t35, t38, 0.0,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -10938,19 +10323,17 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = Mcausal * t20
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = np.ones((d_K,), dtype=X.dtype)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(t11, -1, -2)
+    t18 = G @ t17
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = np.ones((d_K,), dtype=X.dtype)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10977,19 +10360,17 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return t23
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(t9, -1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11017,12 +10398,11 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t5 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t16, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11049,13 +10429,12 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t4 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11105,20 +10484,19 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = W_V @ t18
-    t20 = X @ t19
-    t21 = np.swapaxes(Mcausal, -1, -2)
-    t22 = t20 * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = np.ones((d_K,), dtype=X.dtype)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = W_V @ t17
+    t19 = X @ t18
+    t20 = np.swapaxes(Mcausal, -1, -2)
+    t21 = t19 * t20
+    t22 = t21 @ X
+    t23 = t2 @ t22
+    t24 = np.ones((d_K,), dtype=X.dtype)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11145,20 +10523,19 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = W_V @ t16
-    t18 = X @ t17
-    t19 = np.swapaxes(Mcausal, -1, -2)
-    t20 = t18 * t19
-    t21 = t20 @ X
-    t22 = t0 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = W_V @ t15
+    t17 = X @ t16
+    t18 = np.swapaxes(Mcausal, -1, -2)
+    t19 = t17 * t18
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11196,10 +10573,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t4 = np.swapaxes(Mcausal, -1, -2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(W_K, -1, -2)
-    t8 = t7 @ t1
-    t9 = W_Q @ t8
-    t10 = X @ t9
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(W_K, -1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
     t11 = (1/math.sqrt(d_K)) * t10
     T = t11
     t12 = Mcausal * T
@@ -11209,14 +10586,13 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t6 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11233,10 +10609,10 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t3 = np.swapaxes(Mcausal, -1, -2)
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(W_K, -1, -2)
-    t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(W_K, -1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = Mcausal * T
@@ -11246,13 +10622,12 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t5 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11300,15 +10675,14 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t3 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = np.swapaxes(Mcausal, -1, -2)
-    t19 = X @ W_K
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t17, t20, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = np.swapaxes(Mcausal, -1, -2)
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t16, t19, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11335,16 +10709,15 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = np.swapaxes(Mcausal, -1, -2)
-    t18 = X @ W_K
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t16, t17, t18, X, t0, t16, t17, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.swapaxes(Mcausal, -1, -2)
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, t17, X, t0, t15, t16, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11372,17 +10745,16 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t3 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = np.swapaxes(Mcausal, -1, -2)
-    t19 = X @ W_Q
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t21 = oe.contract('abc,acd->bdac', t17, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = np.swapaxes(Mcausal, -1, -2)
+    t18 = X @ W_Q
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t20 = oe.contract('abc,acd->bdac', t16, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11409,16 +10781,15 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = np.swapaxes(Mcausal, -1, -2)
-    t18 = X @ W_Q
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t16, t17, X, t18, t0, t16, t17, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.swapaxes(Mcausal, -1, -2)
+    t17 = X @ W_Q
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, X, t17, t0, t15, t16, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11468,96 +10839,92 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = (1/(L*d_K*n_batch)) * Mcausal
-    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t20 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t23 = np.einsum('abcb->abc', t22)
+    t15 = np.swapaxes(t5, -1, -2)
+    t16 = np.swapaxes(t4, -1, -2)
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t22 = np.einsum('abcb->abc', t21)
     F = t12
-    t24 = np.exp(F - F.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = t7 * A25
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t7 * A24
+    t26 = t25 - Y
     t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = G @ t16
-    t31 = Mcausal * t30
-    t32 = t31 @ X
-    t33 = np.ones((d_K,), dtype=X.dtype)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
-    t23 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
-    t36 = X @ W_Q
-    t37 = oe.contract('abc->cab', t36, optimize=[(0,)])
-    t38 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t22 += oe.contract('abc,defbc->defa', t37, t38, optimize=[(0, 1)])
-    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
-    t41 = t11 @ X
-    t42 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t43 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t42, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t44 = oe.contract('abc->cab', t41, optimize=[(0,)])
-    t40[...] = oe.contract('abcde,fde->abfc', t43, t44, optimize=[(0, 1)])
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t40 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t45, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t46[...] = 0
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t48 = np.einsum('abcb->abc', t47)
-    t49 = np.swapaxes(G, -1, -2)
-    t50 = W_V @ t49
-    t51 = X @ t50
-    t52 = np.swapaxes(Mcausal, -1, -2)
-    t53 = t51 * t52
-    t54 = oe.contract('abc,acd,ade->be', t2, t53, X, optimize=[(0, 1), (0, 1)])
-    t48 += oe.contract('ab,c->acb', t54, t34, optimize=[(0, 1)])
-    t55 = np.swapaxes(W_Q, -1, -2)
-    t56 = t55 @ t2
-    t57 = np.swapaxes(Y, -1, -2)
-    t58 = t57.sum(-2, keepdims=True)
-    t59 = np.broadcast_to(t58, t58.shape[:-2] + (d_V, t58.shape[-1]))
-    t60 = (1/(L*d_K*n_batch)) * t52
-    t61 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t56, t60, t5, t59, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t47 += oe.contract('abcde,fde->abfc', t61, t20, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
-    t64 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t56, t60, t5, t59, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t63[...] = oe.contract('abc,defbc->defa', t37, t64, optimize=[(0, 1)])
-    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66 = np.reshape(t65, (d_V, d_K, d_V, d_V), copy=False)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t68 = oe.contract('abc,acd->bdac', t56, G, optimize=[(0, 1)])
-    t69 = oe.contract('abc,cd,ace->bead', t2, t67, X, optimize=[(0, 1), (0, 1)])
-    t66[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t52
-    t71 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t70, X, W_V, t59, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t72 = oe.contract('abc,acd->bdac', t56, t41, optimize=[(0, 1)])
-    t66 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
-    t75 = np.swapaxes(T, -1, -2)
-    t76 = t52 * t75
-    t77 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t16, t42, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t78 = oe.contract('abc,acd,ade->bead', t2, t76, X, optimize=[(0, 1), (0, 1)])
-    t74[...] = oe.contract('abcd,efcd->eafb', t77, t78, optimize=[(0, 1)])
-    t74 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t49, t67, t17, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t80 = np.reshape(t79, (d_V, d_V, d_V, d_K), copy=False)
-    t80[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t76, t7, dA, t16, t42, t36, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
-    t81 = oe.contract('abc,acd->bdac', t49, t36, optimize=[(0, 1)])
-    t80 += oe.contract('abcd,efcd->eafb', t81, t69, optimize=[(0, 1)])
-    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t83 = np.reshape(t82, (d_V, d_V, d_V, d_V), copy=False)
-    t84 = t2 @ t76
-    t85 = (1/(L*n_batch)) * t84
-    t83[...] = oe.contract('abc,acd,acde,acf->bdfe', t85, t7, dA, t41, optimize=[(1, 2), (0, 1), (0, 1)])
+    G = t27
+    t28 = G @ t15
+    t29 = Mcausal * t28
+    t30 = t29 @ X
+    t31 = np.ones((d_K,), dtype=X.dtype)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc,acd->bd', t2, t30, optimize=[(0, 1)])
+    t22 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
+    t34 = X @ W_Q
+    t35 = oe.contract('abc->cab', t34, optimize=[(0,)])
+    t36 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t21 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
+    t39 = t11 @ X
+    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t41 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t40, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t42 = oe.contract('abc->cab', t39, optimize=[(0,)])
+    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t38 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t43, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t46 = np.einsum('abcb->abc', t45)
+    t47 = np.swapaxes(t28, -1, -2)
+    t48 = np.swapaxes(Mcausal, -1, -2)
+    t49 = t47 * t48
+    t50 = oe.contract('abc,acd,ade->be', t2, t49, X, optimize=[(0, 1), (0, 1)])
+    t46 += oe.contract('ab,c->acb', t50, t32, optimize=[(0, 1)])
+    t51 = np.swapaxes(t34, -1, -2)
+    t52 = np.swapaxes(Y, -1, -2)
+    t53 = t52.sum(-2, keepdims=True)
+    t54 = np.broadcast_to(t53, t53.shape[:-2] + (d_V, t53.shape[-1]))
+    t55 = (1/(L*d_K*n_batch)) * t48
+    t56 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t51, t55, t5, t54, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t45 += oe.contract('abcde,fde->abfc', t56, t19, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_K), copy=False)
+    t59 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t51, t55, t5, t54, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t58[...] = oe.contract('abc,defbc->defa', t35, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t63 = oe.contract('abc,acd->bdac', t51, G, optimize=[(0, 1)])
+    t64 = oe.contract('abc,cd,ace->bead', t2, t62, X, optimize=[(0, 1), (0, 1)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
+    t66 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t65, X, W_V, t54, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t51, t39, optimize=[(0, 1)])
+    t61 += oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
+    t70 = np.swapaxes(T, -1, -2)
+    t71 = t48 * t70
+    t72 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t73 = oe.contract('abc,acd,ade->bead', t2, t71, X, optimize=[(0, 1), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
+    t74 = np.swapaxes(G, -1, -2)
+    t69 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t74, t62, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
+    t76[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t71, t7, dA, t15, t40, t34, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t74, t34, optimize=[(0, 1)])
+    t76 += oe.contract('abcd,efcd->eafb', t77, t64, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t79 = np.reshape(t78, (d_V, d_V, d_V, d_V), copy=False)
+    t80 = np.swapaxes(t39, -1, -2)
+    t81 = (1/(L*n_batch)) * t80
+    t79[...] = oe.contract('abc,acd,acde,acf->bdfe', t81, t7, dA, t39, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -11571,10 +10938,10 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = np.swapaxes(W_K, -1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -11584,96 +10951,65 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/(L*math.sqrt(d_K))) * t12
-    t14 = (-1/(L*math.sqrt(d_K))) * Y
-    t15 = t13 + t14
-    t16 = np.swapaxes(V_W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = t15 @ t17
-    t19 = V_W_Q @ t4
-    t20 = X @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = np.swapaxes(V_W_K, -1, -2)
-    t23 = t22 @ t0
-    t24 = W_Q @ t23
-    t25 = X @ t24
-    t26 = (1/math.sqrt(d_K)) * t25
-    t27 = t21 + t26
-    t28 = t27 * Mcausal
-    t29 = t28 @ t9
-    t30 = X @ V_W_V
-    t31 = t8 @ t30
-    t32 = t29 + t31
-    t33 = t32 - (A * t32).sum(-1, keepdims=True)
-    t34 = A * t33
-    t35 = t2 * t34
-    t36 = np.swapaxes(W_V, -1, -2)
-    t37 = t36 @ t0
-    t38 = t35 @ t37
-    t39 = (1/(L*math.sqrt(d_K))) * t38
-    t40 = t18 + t39
-    t41 = t40 * Mcausal
-    t42 = X @ W_K
+    t13 = t12 - Y
+    t14 = (1/(L*math.sqrt(d_K))) * t13
+    t15 = np.swapaxes(V_W_V, -1, -2)
+    t16 = t15 @ t0
+    t17 = t14 @ t16
+    t18 = X @ V_W_Q
+    t19 = t18 @ t5
+    t20 = np.swapaxes(V_W_K, -1, -2)
+    t21 = t20 @ t0
+    t22 = t3 @ t21
+    t23 = t19 + t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = t24 * Mcausal
+    t26 = t25 @ t9
+    t27 = np.swapaxes(t16, -1, -2)
+    t28 = t8 @ t27
+    t29 = t26 + t28
+    t30 = t29 - (A * t29).sum(-1, keepdims=True)
+    t31 = A * t30
+    t32 = t2 * t31
+    t33 = np.swapaxes(t9, -1, -2)
+    t34 = t32 @ t33
+    t35 = (1/(L*math.sqrt(d_K))) * t34
+    t36 = t17 + t35
+    t37 = t36 * Mcausal
+    t38 = np.swapaxes(t5, -1, -2)
+    t39 = t37 @ t38
+    t40 = t14 @ t33
+    t41 = Mcausal * t40
+    t42 = np.swapaxes(t21, -1, -2)
     t43 = t41 @ t42
-    t44 = t0 @ t43
-    t45 = t15 @ t37
-    t46 = Mcausal * t45
-    t47 = X @ V_W_K
-    t48 = t46 @ t47
-    t49 = t0 @ t48
-    t50 = t44 + t49
-    t51 = np.swapaxes(Y, -1, -2)
-    t52 = t51.sum(-2, keepdims=True)
-    t53 = np.broadcast_to(t52, t52.shape[:-2] + (d_V, t52.shape[-1]))
-    t54 = np.swapaxes(A, -1, -2)
-    t55 = t53 * t54
-    t56 = (1/(L*math.sqrt(d_K))) * t55
-    t57 = (-1/(L*math.sqrt(d_K))) * t51
-    t58 = t56 + t57
-    t59 = V_W_V @ t58
-    t60 = X @ t59
-    t61 = np.swapaxes(t34, -1, -2)
-    t62 = t53 * t61
-    t63 = W_V @ t62
-    t64 = X @ t63
-    t65 = (1/(L*math.sqrt(d_K))) * t64
-    t66 = t60 + t65
-    t67 = np.swapaxes(Mcausal, -1, -2)
-    t68 = t66 * t67
-    t69 = X @ W_Q
-    t70 = t68 @ t69
-    t71 = t0 @ t70
-    t72 = W_V @ t58
-    t73 = X @ t72
-    t74 = t73 * t67
-    t75 = X @ V_W_Q
-    t76 = t74 @ t75
-    t77 = t0 @ t76
-    t78 = t71 + t77
-    t79 = np.swapaxes(W_Q, -1, -2)
-    t80 = t79 @ t0
-    t81 = V_W_K @ t80
-    t82 = X @ t81
-    t83 = (1/math.sqrt(d_K)) * t82
-    t84 = np.swapaxes(V_W_Q, -1, -2)
-    t85 = t84 @ t0
-    t86 = W_K @ t85
-    t87 = X @ t86
-    t88 = (1/math.sqrt(d_K)) * t87
-    t89 = t83 + t88
-    t90 = t89 * t67
-    t91 = (1/L) * t12
-    t92 = (-1/L) * Y
-    t93 = t91 + t92
-    t94 = t90 @ t93
-    t95 = t0 @ t94
-    t96 = np.swapaxes(T, -1, -2)
-    t97 = t67 * t96
-    t98 = t97 @ t35
-    t99 = t0 @ t98
-    t100 = (1/L) * t99
-    t101 = t95 + t100
-    return (t50.mean(0), t78.mean(0), t101.mean(0),)
+    t44 = t39 + t43
+    t45 = t0 @ t44
+    t46 = np.swapaxes(t17, -1, -2)
+    t47 = np.swapaxes(t34, -1, -2)
+    t48 = (1/(L*math.sqrt(d_K))) * t47
+    t49 = t46 + t48
+    t50 = np.swapaxes(Mcausal, -1, -2)
+    t51 = t49 * t50
+    t52 = t51 @ t3
+    t53 = np.swapaxes(t40, -1, -2)
+    t54 = t53 * t50
+    t55 = t54 @ t18
+    t56 = t52 + t55
+    t57 = t0 @ t56
+    t58 = np.swapaxes(t22, -1, -2)
+    t59 = np.swapaxes(t19, -1, -2)
+    t60 = t58 + t59
+    t61 = (1/math.sqrt(d_K)) * t60
+    t62 = t61 * t50
+    t63 = (1/L) * t13
+    t64 = t62 @ t63
+    t65 = np.swapaxes(T, -1, -2)
+    t66 = t50 * t65
+    t67 = t66 @ t32
+    t68 = (1/L) * t67
+    t69 = t64 + t68
+    t70 = t0 @ t69
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t57[0] if n_batch == 1 else t57.mean(0)), (t70[0] if n_batch == 1 else t70.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -11700,54 +11036,50 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
     F = t10
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t5 * A19
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t5 * A18
+    t20 = t19 - Y
     t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t14
-    t25 = Mcausal * t24
-    t26 = t25 @ X
-    t27 = X @ W_Q
-    t28 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t26, t0, t26, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t26, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t29 = np.sqrt(np.maximum(t28, 0.0))
-    t30 = t9 @ X
-    t31 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t30, t0, t2, Mcausal, X, W_V, t5, dA, t30, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t30, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = np.swapaxes(G, -1, -2)
-    t34 = W_V @ t33
-    t35 = X @ t34
-    t36 = np.swapaxes(Mcausal, -1, -2)
-    t37 = t35 * t36
-    t38 = np.swapaxes(W_Q, -1, -2)
-    t39 = t38 @ t0
-    t40 = np.swapaxes(Y, -1, -2)
-    t41 = t40.sum(-2, keepdims=True)
-    t42 = np.broadcast_to(t41, t41.shape[:-2] + (d_V, t41.shape[-1]))
-    t43 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t37, X, t0, t37, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t37, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    t45 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t39, t36, t3, t42, dA, t14, Mcausal, t27, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t27, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t46 = np.sqrt(np.maximum(t45, 0.0))
-    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t39, t36, X, G, t0, t39, t36, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t39, t36, X, G, t0, t39, t36, X, W_V, t42, dA, t30, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t39, t36, X, W_V, t42, dA, t30, t0, t39, t36, X, W_V, t42, dA, t30, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    G = t21
+    t22 = G @ t13
+    t23 = Mcausal * t22
+    t24 = t23 @ X
+    t25 = X @ W_Q
+    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t24, t0, t24, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t24, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = t9 @ X
+    t29 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, W_V, t5, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = np.swapaxes(t22, -1, -2)
+    t32 = np.swapaxes(Mcausal, -1, -2)
+    t33 = t31 * t32
+    t34 = np.swapaxes(t25, -1, -2)
+    t35 = np.swapaxes(Y, -1, -2)
+    t36 = t35.sum(-2, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-2] + (d_V, t36.shape[-1]))
+    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t33, X, t0, t33, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t33, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t34, t32, X, G, t0, t34, t32, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t34, t32, X, G, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t34, t32, X, W_V, t37, dA, t28, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    t44 = np.swapaxes(T, -1, -2)
+    t45 = t32 * t44
+    t46 = np.swapaxes(G, -1, -2)
+    t47 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t45, t5, dA, t13, Mcausal, X, t14, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t46, t32, t14, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, t14, X, t0, t46, t32, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t48 = np.sqrt(np.maximum(t47, 0.0))
-    t49 = np.swapaxes(T, -1, -2)
-    t50 = t36 * t49
-    t51 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t50, t5, dA, t14, Mcausal, X, t15, t0, t50, t5, dA, t14, Mcausal, X, t15, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t50, t5, dA, t14, Mcausal, X, t15, t0, t33, t36, t15, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, t15, X, t0, t33, t36, t15, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t52 = np.sqrt(np.maximum(t51, 0.0))
-    t53 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t50, t5, dA, t14, Mcausal, t27, X, t0, t50, t5, dA, t14, Mcausal, t27, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t50, t5, dA, t14, Mcausal, t27, X, t0, t33, t36, X, t27, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, X, t27, t0, t33, t36, X, t27, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t54 = np.sqrt(np.maximum(t53, 0.0))
-    t55 = t0 @ t50
-    t56 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t55, t5, dA, t30, t55, t5, dA, t30, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t57 = np.sqrt(np.maximum(t56, 0.0))
-    return (t17, t29, t32, t44, t46, t48, t52, t54, t57,)
+    t49 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t45, t5, dA, t13, Mcausal, t25, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t46, t32, X, t25, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, X, t25, t0, t46, t32, X, t25, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t50 = np.sqrt(np.maximum(t49, 0.0))
+    t51 = np.swapaxes(t28, -1, -2)
+    t52 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t51, t5, dA, t28, t51, t5, dA, t28, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t53 = np.sqrt(np.maximum(t52, 0.0))
+    return (t16, t27, t30, t39, t41, t43, t48, t50, t53,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11776,13 +11108,12 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t19 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11810,10 +11141,9 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11842,13 +11172,12 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11876,12 +11205,11 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11911,29 +11239,27 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = Mcausal * t20
-    t22 = t21 @ X
-    t23 = np.ones((d_K,), dtype=X.dtype)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t2, t22, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
-    t26 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = np.eye(d_V, dtype=X.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(t11, -1, -2)
+    t18 = G @ t17
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = np.ones((d_K,), dtype=X.dtype)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
+    t1 += oe.contract('ab,c->acb', t23, t22, optimize=[(0, 1)])
+    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = X @ W_Q
-    t30 = (1/(L*d_K*n_batch)) * Mcausal
-    t31 = oe.contract('abc->cab', t29, optimize=[(0,)])
-    t32 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t30, t11, t4, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t27 = X @ W_Q
+    t28 = (1/(L*d_K*n_batch)) * Mcausal
+    t29 = oe.contract('abc->cab', t27, optimize=[(0,)])
+    t30 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t28, t11, t4, dA, t17, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11960,24 +11286,22 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.eye(d_V, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(t9, -1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = X @ W_Q
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t20, t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t22 = X @ W_Q
+    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t18, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12015,12 +11339,11 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = t5 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t24, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t23, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12053,13 +11376,12 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t4 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12079,10 +11401,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -12092,11 +11414,9 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -12115,10 +11435,10 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12128,10 +11448,8 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t17 = np.swapaxes(t4, -1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12161,36 +11479,34 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = W_V @ t18
-    t20 = X @ t19
-    t21 = np.swapaxes(Mcausal, -1, -2)
-    t22 = t20 * t21
-    t23 = np.ones((d_K,), dtype=X.dtype)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd,ade->be', t2, t22, X, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
-    t26 = np.swapaxes(W_Q, -1, -2)
-    t27 = t26 @ t2
-    t28 = np.swapaxes(Y, -1, -2)
-    t29 = t28.sum(-2, keepdims=True)
-    t30 = np.broadcast_to(t29, t29.shape[:-2] + (d_V, t29.shape[-1]))
-    t31 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = np.eye(d_V, dtype=X.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = W_V @ t17
+    t19 = X @ t18
+    t20 = np.swapaxes(Mcausal, -1, -2)
+    t21 = t19 * t20
+    t22 = np.ones((d_K,), dtype=X.dtype)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t24 = oe.contract('abc,acd,ade->be', t2, t21, X, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
+    t25 = np.swapaxes(W_Q, -1, -2)
+    t26 = t25 @ t2
+    t27 = np.swapaxes(Y, -1, -2)
+    t28 = t27.sum(-2, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-2] + (d_V, t28.shape[-1]))
+    t30 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A32, t33, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A32, A32, optimize=[(0, 1)])
-    t34 = np.swapaxes(W_V, -1, -2)
-    t35 = t34 @ t2
-    t36 = X @ W_K
-    t37 = (1/(L*d_K*n_batch)) * t21
-    t38 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t27, t37, t11, t30, dA, t35, Mcausal, t36, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t39 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0 += oe.contract('abcde,fde->abfc', t38, t39, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A31, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A31, A31, optimize=[(0, 1)])
+    t33 = np.swapaxes(t11, -1, -2)
+    t34 = np.swapaxes(t6, -1, -2)
+    t35 = (1/(L*d_K*n_batch)) * t20
+    t36 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t26, t35, t11, t29, dA, t33, Mcausal, t34, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t37 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0 += oe.contract('abcde,fde->abfc', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -12217,31 +11533,29 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = W_V @ t16
-    t18 = X @ t17
-    t19 = np.swapaxes(Mcausal, -1, -2)
-    t20 = t18 * t19
-    t21 = np.swapaxes(W_Q, -1, -2)
-    t22 = t21 @ t0
-    t23 = np.swapaxes(Y, -1, -2)
-    t24 = t23.sum(-2, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
-    t26 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = np.eye(d_V, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = W_V @ t15
+    t17 = X @ t16
+    t18 = np.swapaxes(Mcausal, -1, -2)
+    t19 = t17 * t18
+    t20 = np.swapaxes(W_Q, -1, -2)
+    t21 = t20 @ t0
+    t22 = np.swapaxes(Y, -1, -2)
+    t23 = t22.sum(-2, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
+    t25 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = np.swapaxes(W_V, -1, -2)
-    t30 = t29 @ t0
-    t31 = X @ W_K
-    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t20, X, t0, t20, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t20, X, t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    return t33
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = np.swapaxes(t9, -1, -2)
+    t29 = np.swapaxes(t4, -1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t19, X, t0, t19, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t19, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    return t31
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12261,10 +11575,10 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = np.swapaxes(Y, -1, -2)
     t7 = t6.sum(-2, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
-    t9 = np.swapaxes(W_K, -1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -12274,13 +11588,11 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
-    t23 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -12299,10 +11611,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12312,12 +11624,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12335,10 +11645,10 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t4 = np.swapaxes(Mcausal, -1, -2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(W_K, -1, -2)
-    t8 = t7 @ t1
-    t9 = W_Q @ t8
-    t10 = X @ t9
+    t7 = np.swapaxes(t3, -1, -2)
+    t8 = np.swapaxes(W_K, -1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
     t11 = (1/math.sqrt(d_K)) * t10
     T = t11
     t12 = Mcausal * T
@@ -12348,27 +11658,26 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t6 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = np.swapaxes(Y, -1, -2)
-    t24 = t23.sum(-2, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
-    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = np.eye(d_V, dtype=X.dtype)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = np.swapaxes(Y, -1, -2)
+    t23 = t22.sum(-2, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
+    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = t12 @ X
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t31 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t30, X, W_V, t25, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t3, t29, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = t12 @ X
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t30 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t29, X, W_V, t24, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t3, t28, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -12385,10 +11694,10 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = np.swapaxes(Mcausal, -1, -2)
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(W_K, -1, -2)
-    t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = np.swapaxes(t2, -1, -2)
+    t7 = np.swapaxes(W_K, -1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = Mcausal * T
@@ -12398,22 +11707,21 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t5 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = np.swapaxes(Y, -1, -2)
-    t20 = t19.sum(-2, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-2] + (d_V, t20.shape[-1]))
-    t22 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.eye(d_V, dtype=X.dtype)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = np.swapaxes(Y, -1, -2)
+    t19 = t18.sum(-2, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-2] + (d_V, t19.shape[-1]))
+    t21 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t25 = t11 @ X
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t21, dA, t25, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t21, dA, t25, t0, t2, t3, X, W_V, t21, dA, t25, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return t27
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = t11 @ X
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t20, dA, t24, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12438,19 +11746,17 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A = t16 / t16.sum(-1, keepdims=True)
-    t17 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.swapaxes(t10, -1, -2)
+    t14 = t13 @ W_V
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t20 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acb->bac', t19, t18, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -12474,16 +11780,14 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t17, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12515,24 +11819,22 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_K
-    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t18, t20, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t22 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t17 = np.swapaxes(t13, -1, -2)
+    t18 = np.swapaxes(t4, -1, -2)
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t20 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     F = t14
-    t23 = np.exp(F - F.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t11 * A24
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
     t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = np.swapaxes(G, -1, -2)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t29, t30, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t27, t28, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12563,21 +11865,19 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
+    t16 = np.swapaxes(t12, -1, -2)
+    t17 = np.swapaxes(t3, -1, -2)
     F = t13
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t10 * A20
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t10 * A19
+    t21 = t20 - Y
     t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t17, Mcausal, X, t18, t0, t8, t10, dA, t17, Mcausal, X, t18, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return t27
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t8, t10, dA, t16, Mcausal, X, t17, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t23, t1, t17, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, t17, X, t0, t23, t1, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12609,24 +11909,22 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t18, t20, t19, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = np.swapaxes(t13, -1, -2)
+    t18 = X @ W_Q
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t17, t19, t18, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
     F = t14
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t11 * A22
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t11 * A21
+    t23 = t22 - Y
     t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t29 = oe.contract('abc,acd->bdac', t27, t19, optimize=[(0, 1)])
-    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    G = t24
+    t25 = np.swapaxes(G, -1, -2)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t27 = oe.contract('abc,acd->bdac', t25, t18, optimize=[(0, 1)])
+    t28 = oe.contract('abc,cd,ace->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -12657,21 +11955,19 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
+    t16 = np.swapaxes(t12, -1, -2)
+    t17 = X @ W_Q
     F = t13
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t10 * A20
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t10 * A19
+    t21 = t20 - Y
     t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t17, Mcausal, t18, X, t0, t8, t10, dA, t17, Mcausal, t18, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return t27
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t8, t10, dA, t16, Mcausal, t17, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t23, t1, X, t17, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, X, t17, t0, t23, t1, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12696,17 +11992,15 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A = t16 / t16.sum(-1, keepdims=True)
-    t17 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.swapaxes(t10, -1, -2)
+    t14 = t13 @ W_V
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t12, dA, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -12730,18 +12024,16 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12768,14 +12060,13 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = t16 + 0.0 + 0.0
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = np.swapaxes(t2, -1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = t15 + 0.0 + 0.0
+    t17 = np.sqrt(np.maximum(t15, 0.0))
     t18 = np.sqrt(np.maximum(t16, 0.0))
-    t19 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, 0.0, t19,)
+    return (t17, 0.0, t18,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -12802,29 +12093,27 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_Q
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t13 = np.swapaxes(t3, -1, -2)
+    t14 = X @ W_Q
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     F = t10
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t5 * A18
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t5 * A17
+    t19 = t18 - Y
     t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t14
-    t24 = Mcausal * t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t26, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t29 = t16 + t27 + t28
-    t30 = np.sqrt(np.maximum(t16, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    G = t20
+    t21 = G @ t13
+    t22 = Mcausal * t21
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t24, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t27 = t15 + t25 + t26
+    t28 = np.sqrt(np.maximum(t15, 0.0))
+    t29 = np.sqrt(np.maximum(t25, 0.0))
+    t30 = np.sqrt(np.maximum(t27, 0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -12857,17 +12146,16 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = t5 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t23 = t14 + t21 + t22
-    t24 = np.sqrt(np.maximum(t14, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = t14 + t20 + t21
+    t23 = np.sqrt(np.maximum(t14, 0.0))
+    t24 = np.sqrt(np.maximum(t20, 0.0))
+    t25 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23, t24, t25,)
 
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12885,10 +12173,10 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12898,33 +12186,30 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = Y.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = np.swapaxes(t10, -1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = Y.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
     F = t14
-    t23 = np.exp(F - F.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t22 * A24
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t21 * A23
+    t25 = t24 - Y
     t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = np.swapaxes(G, -1, -2)
-    t30 = W_V @ t29
-    t31 = X @ t30
-    t32 = t31 * t3
-    t33 = t32 @ X
-    t34 = t0 @ t33
-    t35 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)])
-    t36 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t34, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t37 = t20 + t35 + t36
-    t38 = np.sqrt(np.maximum(t20, 0.0))
-    t39 = np.sqrt(np.maximum(t35, 0.0))
-    t40 = np.sqrt(np.maximum(t37, 0.0))
-    return (t38, t39, t40,)
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = t4 @ t27
+    t29 = t28 * t3
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)])
+    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t31, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t34 = t19 + t32 + t33
+    t35 = np.sqrt(np.maximum(t19, 0.0))
+    t36 = np.sqrt(np.maximum(t32, 0.0))
+    t37 = np.sqrt(np.maximum(t34, 0.0))
+    return (t35, t36, t37,)
 
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -12942,10 +12227,10 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12955,14 +12240,12 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = t20 + 0.0 + 0.0
-    t22 = np.sqrt(np.maximum(t20, 0.0))
-    t23 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, 0.0, t23,)
+    t17 = np.swapaxes(t4, -1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = t18 + 0.0 + 0.0
+    t20 = np.sqrt(np.maximum(t18, 0.0))
+    t21 = np.sqrt(np.maximum(t19, 0.0))
+    return (t20, 0.0, t21,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -12980,10 +12263,10 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t5 = np.swapaxes(Y, -1, -2)
     t6 = t5.sum(-2, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-2] + (d_V, t6.shape[-1]))
-    t8 = np.swapaxes(W_K, -1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = np.swapaxes(t2, -1, -2)
+    t9 = np.swapaxes(W_K, -1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -13001,17 +12284,16 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t21 = np.exp(F - F.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = t20 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t29 = t18 + t27 + t28
-    t30 = np.sqrt(np.maximum(t18, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t28 = t18 + t26 + t27
+    t29 = np.sqrt(np.maximum(t18, 0.0))
+    t30 = np.sqrt(np.maximum(t26, 0.0))
+    t31 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -13034,34 +12316,32 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, X, t19, t9, t11, dA, t18, Mcausal, X, t19, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    F = t14
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t11 * A22
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = t16 @ t0
+    t18 = np.swapaxes(t3, -1, -2)
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t11 * A21
+    t23 = t22 - Y
     t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t27, t1, t19, X, t0, t27, t1, t19, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t18, Mcausal, X, t19, t0, t27, t1, t19, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t30 = t20 + t28 + t29
-    t31 = np.sqrt(np.maximum(t20, 0.0))
-    t32 = np.sqrt(np.maximum(t28, 0.0))
-    t33 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31, t32, t33,)
+    G = t24
+    t25 = np.swapaxes(G, -1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t28 = t19 + t26 + t27
+    t29 = np.sqrt(np.maximum(t19, 0.0))
+    t30 = np.sqrt(np.maximum(t26, 0.0))
+    t31 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -13084,34 +12364,32 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, t19, X, t9, t11, dA, t18, Mcausal, t19, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    F = t14
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t11 * A22
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = t16 @ t0
+    t18 = X @ W_Q
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t11 * A21
+    t23 = t22 - Y
     t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t27, t1, X, t19, t0, t27, t1, X, t19, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t18, Mcausal, t19, X, t0, t27, t1, X, t19, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t30 = t20 + t28 + t29
-    t31 = np.sqrt(np.maximum(t20, 0.0))
-    t32 = np.sqrt(np.maximum(t28, 0.0))
-    t33 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31, t32, t33,)
+    G = t24
+    t25 = np.swapaxes(G, -1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t28 = t19 + t26 + t27
+    t29 = np.sqrt(np.maximum(t19, 0.0))
+    t30 = np.sqrt(np.maximum(t26, 0.0))
+    t31 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -13134,20 +12412,18 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = np.eye(d_V, dtype=X.dtype)
+    t12 = np.swapaxes(t9, -1, -2)
+    t13 = t12 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A = t14 / t14.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = t18 + 0.0 + 0.0
-    t20 = np.sqrt(np.maximum(t18, 0.0))
-    t21 = np.sqrt(np.maximum(t19, 0.0))
-    return (t20, 0.0, t21,)
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t17 = t16 + 0.0 + 0.0
+    t18 = np.sqrt(np.maximum(t16, 0.0))
+    t19 = np.sqrt(np.maximum(t17, 0.0))
+    return (t18, 0.0, t19,)
 
 
 VARIANTS = {

@@ -32,13 +32,12 @@ def mse_causal0__loss(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = X @ W_V
     t5 = A @ t4
-    t6 = -Y
-    t7 = t5 + t6
-    t8 = t7 * t7
-    t9 = t8.sum(-1, keepdims=True)
-    t10 = t9.sum(-2, keepdims=True)
-    t11 = (1/(L*d_V)) * t10
-    return t11.mean(0)[0, 0]
+    t6 = t5 - Y
+    t7 = t6 * t6
+    t8 = t7.sum(-1, keepdims=True)
+    t9 = t8.sum(-2, keepdims=True)
+    t10 = (1/(L*d_V)) * t9
+    return (t10[0] if n_batch == 1 else t10.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_QK, W_V, Y):
@@ -54,21 +53,19 @@ def mse_causal0__gradient(X, W_QK, W_V, Y):
     t4 = X @ W_V
     t5 = A @ t4
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = t9 @ t0
-    t11 = G @ t10
-    t12 = t11 - (A * t11).sum(-1, keepdims=True)
-    t13 = A * t12
-    t14 = t13 @ X
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = G @ t8
+    t10 = t9 - (A * t9).sum(-1, keepdims=True)
+    t11 = A * t10
+    t12 = t11 @ X
+    t13 = t0 @ t12
+    t14 = np.swapaxes(A, -1, -2)
     t15 = t0 @ t14
-    t16 = np.swapaxes(A, -1, -2)
-    t17 = t16 @ G
-    t18 = t0 @ t17
-    return (t15.mean(0), t18.mean(0),)
+    t16 = t15 @ G
+    return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
@@ -134,22 +131,19 @@ def mse_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t7 = A * t6
     t8 = X @ W_V
     t9 = t7 @ t8
-    t10 = (2/(L*d_V)) * t9
-    t11 = X @ V_W_V
-    t12 = A @ t11
+    t10 = A @ X
+    t11 = t10 @ V_W_V
+    t12 = t9 + t11
     t13 = (2/(L*d_V)) * t12
-    t14 = t10 + t13
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t0
-    t17 = t14 @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = np.swapaxes(A, -1, -2)
-    t23 = t22 @ t14
-    t24 = t0 @ t23
-    return (t21.mean(0), t24.mean(0),)
+    t14 = np.swapaxes(t8, -1, -2)
+    t15 = t13 @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = np.swapaxes(t10, -1, -2)
+    t21 = t20 @ t13
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t21[0] if n_batch == 1 else t21.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -475,39 +469,38 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t2
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
-    t16 = np.eye(L, dtype=X.dtype)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(W_V, -1, -2)
+    t11 = t10 @ t2
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
+    t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
-    t18 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
+    t16 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * X
-    t21 = oe.contract('abc,abd->cdab', t20, G, optimize=[(0, 1)])
-    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t19[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (1/n_batch) * t25
-    t24[...] = oe.contract('abc,acde,acf->dbfe', t26, M_2, X, optimize=[(0, 2), (0, 1)])
-    t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t27[...] = 0
+    t19 = (1/n_batch) * X
+    t20 = oe.contract('abc,abd->cdab', t19, G, optimize=[(0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t26[...] = 0
     return H
 
 
@@ -524,32 +517,31 @@ def mse_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t4 = X @ W_V
     t5 = A @ t4
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = t9 @ t0
-    t11 = G @ t10
-    t12 = V_W_QK @ t0
-    t13 = X @ t12
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = G @ t8
+    t10 = V_W_QK @ t0
+    t11 = X @ t10
+    t12 = t9 - (A * t9).sum(-1, keepdims=True)
+    t13 = A * t12
     t14 = t11 - (A * t11).sum(-1, keepdims=True)
-    t15 = t13 - (A * t13).sum(-1, keepdims=True)
-    t16 = A * t14 * t15
-    t17 = t16 - A * t16.sum(-1, keepdims=True)
-    t18 = np.swapaxes(V_W_V, -1, -2)
-    t19 = t18 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
-    t23 = t17 + t22
-    t24 = t23 @ X
-    t25 = t0 @ t24
-    t26 = A * t15
-    t27 = np.swapaxes(t26, -1, -2)
-    t28 = t27 @ G
-    t29 = t0 @ t28
-    return (t25.mean(0), t29.mean(0),)
+    t15 = t13 * t14
+    t16 = t15 - A * t15.sum(-1, keepdims=True)
+    t17 = np.swapaxes(V_W_V, -1, -2)
+    t18 = t17 @ t0
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    t22 = t16 + t21
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = A * t14
+    t26 = np.swapaxes(t25, -1, -2)
+    t27 = t26 @ G
+    t28 = t0 @ t27
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -566,32 +558,31 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1 @ W_V
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = t9 @ t0
-    t11 = G @ t10
-    t12 = t11 - (A * t11).sum(-1, keepdims=True)
-    t13 = A * t12
-    t14 = np.eye(L, dtype=X.dtype)
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = t8 @ t0
+    t10 = G @ t9
+    t11 = t10 - (A * t10).sum(-1, keepdims=True)
+    t12 = A * t11
+    t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
+    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t19, M_2, X, t19, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return (t16, t18, t21, 0.0,)
+    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t18, M_2, X, t18, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return (t15, t17, t20, 0.0,)
 
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -610,22 +601,21 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t5
     t6 = M_1 @ W_V
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = np.swapaxes(W_V, -1, -2)
-    t11 = t10 @ t1
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdims=True)
-    t14 = A * t13
-    t15 = np.eye(L, dtype=X.dtype)
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = t9 @ t1
+    t11 = G @ t10
+    t12 = t11 - (A * t11).sum(-1, keepdims=True)
+    t13 = A * t12
+    t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -643,18 +633,17 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1 @ W_V
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = t9 @ t0
-    t11 = G @ t10
-    t12 = t11 - (A * t11).sum(-1, keepdims=True)
-    t13 = A * t12
-    t14 = np.eye(L, dtype=X.dtype)
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = t8 @ t0
+    t10 = G @ t9
+    t11 = t10 - (A * t10).sum(-1, keepdims=True)
+    t12 = A * t11
+    t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -676,22 +665,21 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t5
     t6 = M_1 @ W_V
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = np.swapaxes(W_V, -1, -2)
-    t11 = t10 @ t1
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdims=True)
-    t14 = A * t13
-    t15 = np.eye(L, dtype=X.dtype)
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = t9 @ t1
+    t11 = G @ t10
+    t12 = t11 - (A * t11).sum(-1, keepdims=True)
+    t13 = A * t12
+    t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -709,23 +697,22 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1 @ W_V
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = t9 @ t0
-    t11 = G @ t10
-    t12 = t11 - (A * t11).sum(-1, keepdims=True)
-    t13 = A * t12
-    t14 = np.eye(L, dtype=X.dtype)
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = t8 @ t0
+    t10 = G @ t9
+    t11 = t10 - (A * t10).sum(-1, keepdims=True)
+    t12 = A * t11
+    t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -749,14 +736,13 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = (1/n_batch) * X
-    t12 = oe.contract('abc,abd->cdab', t11, G, optimize=[(0, 1)])
-    t13 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = (1/n_batch) * X
+    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
+    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -779,13 +765,12 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     M_1 = t5
     t6 = M_1 @ W_V
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -822,18 +807,17 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t5
     t6 = M_1 @ W_V
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = np.swapaxes(G, -1, -2)
-    t11 = np.eye(L, dtype=X.dtype)
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = np.swapaxes(G, -1, -2)
+    t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t12 = (1/n_batch) * t10
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
+    t11 = (1/n_batch) * t9
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -851,19 +835,18 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1 @ W_V
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = np.swapaxes(G, -1, -2)
-    t10 = np.eye(L, dtype=X.dtype)
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = np.swapaxes(G, -1, -2)
+    t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t9, M_2, X, t9, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t10 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t8, M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -910,47 +893,46 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t7 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t7 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
-    t20 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
-    t22 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t23 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t21[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t24 = (1/n_batch) * X
-    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t21 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
-    t29 = np.swapaxes(M_1, -1, -2)
-    t30 = (2/(L*d_V*n_batch)) * t29
-    t31 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
-    t28[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
-    t33 = np.swapaxes(G, -1, -2)
-    t34 = (1/n_batch) * t33
-    t28 += oe.contract('abc,acde,acf->dbfe', t34, M_2, X, optimize=[(0, 2), (0, 1)])
-    t35 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_V, d_V, d_V, d_V), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = t29 @ M_1
-    t39 = np.ones((d_V,), dtype=X.dtype)
-    t40 = (2/(L*d_V*n_batch)) * t39
-    t37 += oe.contract('abc,d->bdc', t38, t40, optimize=[(0, 1)])
+    t18 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    t28 = np.swapaxes(M_1, -1, -2)
+    t29 = (2/(L*d_V*n_batch)) * t28
+    t30 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = np.swapaxes(G, -1, -2)
+    t33 = (1/n_batch) * t32
+    t27 += oe.contract('abc,acde,acf->dbfe', t33, M_2, X, optimize=[(0, 2), (0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
+    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
+    t36 = np.einsum('abcb->abc', t35)
+    t37 = t28 @ M_1
+    t38 = np.ones((d_V,), dtype=X.dtype)
+    t39 = (2/(L*d_V*n_batch)) * t38
+    t36 += oe.contract('abc,d->bdc', t37, t39, optimize=[(0, 1)])
     return H
 
 
@@ -967,43 +949,39 @@ def mse_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t4 = X @ W_V
     t5 = A @ t4
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = t9 @ t0
-    t11 = t8 @ t10
-    t12 = V_W_QK @ t0
-    t13 = X @ t12
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    t8 = np.swapaxes(t4, -1, -2)
+    t9 = t7 @ t8
+    t10 = V_W_QK @ t0
+    t11 = X @ t10
+    t12 = t9 - (A * t9).sum(-1, keepdims=True)
+    t13 = A * t12
     t14 = t11 - (A * t11).sum(-1, keepdims=True)
-    t15 = t13 - (A * t13).sum(-1, keepdims=True)
-    t16 = A * t14 * t15
-    t17 = t16 - A * t16.sum(-1, keepdims=True)
-    t18 = A * t15
-    t19 = t18 @ t4
-    t20 = (2/(L*d_V)) * t19
-    t21 = X @ V_W_V
-    t22 = A @ t21
-    t23 = (2/(L*d_V)) * t22
-    t24 = t20 + t23
-    t25 = t24 @ t10
-    t26 = np.swapaxes(V_W_V, -1, -2)
-    t27 = t26 @ t0
-    t28 = t8 @ t27
-    t29 = t25 + t28
-    t30 = t29 - (A * t29).sum(-1, keepdims=True)
-    t31 = A * t30
-    t32 = t17 + t31
-    t33 = t32 @ X
-    t34 = t0 @ t33
-    t35 = np.swapaxes(t18, -1, -2)
-    t36 = t35 @ t8
+    t15 = t13 * t14
+    t16 = t15 - A * t15.sum(-1, keepdims=True)
+    t17 = A * t14
+    t18 = t17 @ t4
+    t19 = X @ V_W_V
+    t20 = A @ t19
+    t21 = t18 + t20
+    t22 = (2/(L*d_V)) * t21
+    t23 = t22 @ t8
+    t24 = np.swapaxes(t19, -1, -2)
+    t25 = t7 @ t24
+    t26 = t23 + t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
+    t29 = t16 + t28
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = np.swapaxes(t17, -1, -2)
+    t33 = t32 @ t7
+    t34 = np.swapaxes(A, -1, -2)
+    t35 = t34 @ t22
+    t36 = t33 + t35
     t37 = t0 @ t36
-    t38 = np.swapaxes(A, -1, -2)
-    t39 = t38 @ t24
-    t40 = t0 @ t39
-    t41 = t37 + t40
-    return (t34.mean(0), t41.mean(0),)
+    return ((t31[0] if n_batch == 1 else t31.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
@@ -1027,30 +1005,29 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t5 @ t0
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(M_1, -1, -2)
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t20, t5, M_2, X, t20, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t20, t5, M_2, X, t21, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = t20 @ M_1
-    t25 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return (t17, t19, t23, t26,)
+    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t19, t5, M_2, X, t19, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t19, t5, M_2, X, t20, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = t19 @ M_1
+    t24 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return (t16, t18, t22, t25,)
 
 
 def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -1080,20 +1057,19 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t6 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t6 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1118,16 +1094,15 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t5 @ t0
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -1158,20 +1133,19 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t6 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t6 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1196,21 +1170,20 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t5 @ t0
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -1238,14 +1211,13 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/n_batch) * X
-    t15 = oe.contract('abc,abd->cdab', t14, G, optimize=[(0, 1)])
-    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/n_batch) * X
+    t14 = oe.contract('abc,abd->cdab', t13, G, optimize=[(0, 1)])
+    t15 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1268,13 +1240,12 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     M_1 = t5
     t6 = M_1 @ W_V
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -1343,13 +1314,12 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = (1/n_batch) * t16
-    t0 += oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = (1/n_batch) * t15
+    t0 += oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1374,14 +1344,13 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t12, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t12, M_2, X, t12, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t11, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -1449,25 +1418,24 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t5 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = t5 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdims=True)
+    t15 = A * t14
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = t7 + t17 + t18
-    t20 = np.sqrt(np.maximum(t7, 0.0))
-    t21 = np.sqrt(np.maximum(t17, 0.0))
-    t22 = np.sqrt(np.maximum(t19, 0.0))
-    return (t20, t21, t22,)
+    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = t7 + t16 + t17
+    t19 = np.sqrt(np.maximum(t7, 0.0))
+    t20 = np.sqrt(np.maximum(t16, 0.0))
+    t21 = np.sqrt(np.maximum(t18, 0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -1490,17 +1458,16 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
-    t13 = t6 + t11 + t12
-    t14 = np.sqrt(np.maximum(t6, 0.0))
-    t15 = np.sqrt(np.maximum(t11, 0.0))
-    t16 = np.sqrt(np.maximum(t13, 0.0))
-    return (t14, t15, t16,)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
+    t12 = t6 + t10 + t11
+    t13 = np.sqrt(np.maximum(t6, 0.0))
+    t14 = np.sqrt(np.maximum(t10, 0.0))
+    t15 = np.sqrt(np.maximum(t12, 0.0))
+    return (t13, t14, t15,)
 
 
 def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -1525,18 +1492,17 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t13, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t16 = t8 + t14 + t15
-    t17 = np.sqrt(np.maximum(t8, 0.0))
-    t18 = np.sqrt(np.maximum(t14, 0.0))
-    t19 = np.sqrt(np.maximum(t16, 0.0))
-    return (t17, t18, t19,)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t12, M_2, X, t12, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t12, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t15 = t8 + t13 + t14
+    t16 = np.sqrt(np.maximum(t8, 0.0))
+    t17 = np.sqrt(np.maximum(t13, 0.0))
+    t18 = np.sqrt(np.maximum(t15, 0.0))
+    return (t16, t17, t18,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -1653,13 +1619,12 @@ def mse_causal1__loss(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = X @ W_V
     t7 = A @ t6
-    t8 = -Y
-    t9 = t7 + t8
-    t10 = t9 * t9
-    t11 = t10.sum(-1, keepdims=True)
-    t12 = t11.sum(-2, keepdims=True)
-    t13 = (1/(L*d_V)) * t12
-    return t13.mean(0)[0, 0]
+    t8 = t7 - Y
+    t9 = t8 * t8
+    t10 = t9.sum(-1, keepdims=True)
+    t11 = t10.sum(-2, keepdims=True)
+    t12 = (1/(L*d_V)) * t11
+    return (t12[0] if n_batch == 1 else t12.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_QK, W_V, Y):
@@ -1677,21 +1642,19 @@ def mse_causal1__gradient(X, W_QK, W_V, Y):
     t6 = X @ W_V
     t7 = A @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
-    t16 = t15 @ X
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = G @ t10
+    t12 = t11 - (A * t11).sum(-1, keepdims=True)
+    t13 = A * t12
+    t14 = t13 @ X
+    t15 = t0 @ t14
+    t16 = np.swapaxes(A, -1, -2)
     t17 = t0 @ t16
-    t18 = np.swapaxes(A, -1, -2)
-    t19 = t18 @ G
-    t20 = t0 @ t19
-    return (t17.mean(0), t20.mean(0),)
+    t18 = t17 @ G
+    return ((t15[0] if n_batch == 1 else t15.mean(0)), (t18[0] if n_batch == 1 else t18.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
@@ -1761,22 +1724,19 @@ def mse_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t9 = A * t8
     t10 = X @ W_V
     t11 = t9 @ t10
-    t12 = (2/(L*d_V)) * t11
-    t13 = X @ V_W_V
-    t14 = A @ t13
+    t12 = A @ X
+    t13 = t12 @ V_W_V
+    t14 = t11 + t13
     t15 = (2/(L*d_V)) * t14
-    t16 = t12 + t15
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t0
-    t19 = t16 @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = np.swapaxes(A, -1, -2)
-    t25 = t24 @ t16
-    t26 = t0 @ t25
-    return (t23.mean(0), t26.mean(0),)
+    t16 = np.swapaxes(t10, -1, -2)
+    t17 = t15 @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = np.swapaxes(t12, -1, -2)
+    t23 = t22 @ t15
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -2130,39 +2090,38 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
-    t18 = np.eye(L, dtype=X.dtype)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(W_V, -1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
+    t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
-    t20 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
+    t18 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * X
-    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
-    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t21[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/n_batch) * t27
-    t26[...] = oe.contract('abc,acde,acf->dbfe', t28, M_2, X, optimize=[(0, 2), (0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t29[...] = 0
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = (1/n_batch) * t26
+    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t28[...] = 0
     return H
 
 
@@ -2181,32 +2140,31 @@ def mse_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t6 = X @ W_V
     t7 = A @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = V_W_QK @ t0
-    t15 = X @ t14
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = G @ t10
+    t12 = V_W_QK @ t0
+    t13 = X @ t12
+    t14 = t11 - (A * t11).sum(-1, keepdims=True)
+    t15 = A * t14
     t16 = t13 - (A * t13).sum(-1, keepdims=True)
-    t17 = t15 - (A * t15).sum(-1, keepdims=True)
-    t18 = A * t16 * t17
-    t19 = t18 - A * t18.sum(-1, keepdims=True)
-    t20 = np.swapaxes(V_W_V, -1, -2)
-    t21 = t20 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
-    t25 = t19 + t24
-    t26 = t25 @ X
-    t27 = t0 @ t26
-    t28 = A * t17
-    t29 = np.swapaxes(t28, -1, -2)
-    t30 = t29 @ G
-    t31 = t0 @ t30
-    return (t27.mean(0), t31.mean(0),)
+    t17 = t15 * t16
+    t18 = t17 - A * t17.sum(-1, keepdims=True)
+    t19 = np.swapaxes(V_W_V, -1, -2)
+    t20 = t19 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    t24 = t18 + t23
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = A * t16
+    t28 = np.swapaxes(t27, -1, -2)
+    t29 = t28 @ G
+    t30 = t0 @ t29
+    return ((t26[0] if n_batch == 1 else t26.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -2225,32 +2183,31 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
-    t16 = np.eye(L, dtype=X.dtype)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(W_V, -1, -2)
+    t11 = t10 @ t0
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
+    t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return (t18, t20, t23, 0.0,)
+    t18 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return (t17, t19, t22, 0.0,)
 
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -2271,22 +2228,21 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_V, -1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
-    t17 = np.eye(L, dtype=X.dtype)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(W_V, -1, -2)
+    t12 = t11 @ t1
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdims=True)
+    t15 = A * t14
+    t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2306,18 +2262,17 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
-    t16 = np.eye(L, dtype=X.dtype)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(W_V, -1, -2)
+    t11 = t10 @ t0
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
+    t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -2341,22 +2296,21 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(W_V, -1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
-    t17 = np.eye(L, dtype=X.dtype)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(W_V, -1, -2)
+    t12 = t11 @ t1
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdims=True)
+    t15 = A * t14
+    t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2376,23 +2330,22 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
-    t16 = np.eye(L, dtype=X.dtype)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(W_V, -1, -2)
+    t11 = t10 @ t0
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdims=True)
+    t14 = A * t13
+    t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -2418,14 +2371,13 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/n_batch) * X
-    t14 = oe.contract('abc,abd->cdab', t13, G, optimize=[(0, 1)])
-    t15 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (1/n_batch) * X
+    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
+    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2450,13 +2402,12 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -2495,18 +2446,17 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = np.eye(L, dtype=X.dtype)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = np.swapaxes(G, -1, -2)
+    t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t14 = (1/n_batch) * t12
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t14, M_2, X, optimize=[(0, 2), (0, 1)])
+    t13 = (1/n_batch) * t11
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2526,19 +2476,18 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1 @ W_V
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = np.swapaxes(G, -1, -2)
-    t12 = np.eye(L, dtype=X.dtype)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = np.swapaxes(G, -1, -2)
+    t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t13 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t12 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t10, M_2, X, t10, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -2587,47 +2536,46 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t9 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t9 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
-    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
-    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t25 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t23[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = (1/n_batch) * X
-    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t23 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = np.swapaxes(M_1, -1, -2)
-    t32 = (2/(L*d_V*n_batch)) * t31
-    t33 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t35 = np.swapaxes(G, -1, -2)
-    t36 = (1/n_batch) * t35
-    t30 += oe.contract('abc,acde,acf->dbfe', t36, M_2, X, optimize=[(0, 2), (0, 1)])
-    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t37[...] = 0
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_V), copy=False)
-    t39 = np.einsum('abcb->abc', t38)
-    t40 = t31 @ M_1
-    t41 = np.ones((d_V,), dtype=X.dtype)
-    t42 = (2/(L*d_V*n_batch)) * t41
-    t39 += oe.contract('abc,d->bdc', t40, t42, optimize=[(0, 1)])
+    t20 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
+    t23 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t22[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = (1/n_batch) * X
+    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
+    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t22 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t30 = np.swapaxes(M_1, -1, -2)
+    t31 = (2/(L*d_V*n_batch)) * t30
+    t32 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = (1/n_batch) * t34
+    t29 += oe.contract('abc,acde,acf->dbfe', t35, M_2, X, optimize=[(0, 2), (0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = t30 @ M_1
+    t40 = np.ones((d_V,), dtype=X.dtype)
+    t41 = (2/(L*d_V*n_batch)) * t40
+    t38 += oe.contract('abc,d->bdc', t39, t41, optimize=[(0, 1)])
     return H
 
 
@@ -2646,43 +2594,39 @@ def mse_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t6 = X @ W_V
     t7 = A @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    t11 = np.swapaxes(W_V, -1, -2)
-    t12 = t11 @ t0
-    t13 = t10 @ t12
-    t14 = V_W_QK @ t0
-    t15 = X @ t14
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    t10 = np.swapaxes(t6, -1, -2)
+    t11 = t9 @ t10
+    t12 = V_W_QK @ t0
+    t13 = X @ t12
+    t14 = t11 - (A * t11).sum(-1, keepdims=True)
+    t15 = A * t14
     t16 = t13 - (A * t13).sum(-1, keepdims=True)
-    t17 = t15 - (A * t15).sum(-1, keepdims=True)
-    t18 = A * t16 * t17
-    t19 = t18 - A * t18.sum(-1, keepdims=True)
-    t20 = A * t17
-    t21 = t20 @ t6
-    t22 = (2/(L*d_V)) * t21
-    t23 = X @ V_W_V
-    t24 = A @ t23
-    t25 = (2/(L*d_V)) * t24
-    t26 = t22 + t25
-    t27 = t26 @ t12
-    t28 = np.swapaxes(V_W_V, -1, -2)
-    t29 = t28 @ t0
-    t30 = t10 @ t29
-    t31 = t27 + t30
-    t32 = t31 - (A * t31).sum(-1, keepdims=True)
-    t33 = A * t32
-    t34 = t19 + t33
-    t35 = t34 @ X
-    t36 = t0 @ t35
-    t37 = np.swapaxes(t20, -1, -2)
-    t38 = t37 @ t10
+    t17 = t15 * t16
+    t18 = t17 - A * t17.sum(-1, keepdims=True)
+    t19 = A * t16
+    t20 = t19 @ t6
+    t21 = X @ V_W_V
+    t22 = A @ t21
+    t23 = t20 + t22
+    t24 = (2/(L*d_V)) * t23
+    t25 = t24 @ t10
+    t26 = np.swapaxes(t21, -1, -2)
+    t27 = t9 @ t26
+    t28 = t25 + t27
+    t29 = t28 - (A * t28).sum(-1, keepdims=True)
+    t30 = A * t29
+    t31 = t18 + t30
+    t32 = t31 @ X
+    t33 = t0 @ t32
+    t34 = np.swapaxes(t19, -1, -2)
+    t35 = t34 @ t9
+    t36 = np.swapaxes(A, -1, -2)
+    t37 = t36 @ t24
+    t38 = t35 + t37
     t39 = t0 @ t38
-    t40 = np.swapaxes(A, -1, -2)
-    t41 = t40 @ t26
-    t42 = t0 @ t41
-    t43 = t39 + t42
-    return (t36.mean(0), t43.mean(0),)
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
@@ -2708,30 +2652,29 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t0
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t7 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    t22 = np.swapaxes(M_1, -1, -2)
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t22, t7, M_2, X, t22, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t22, t7, M_2, X, t23, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = t22 @ M_1
-    t27 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    return (t19, t21, t25, t28,)
+    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t21, t7, M_2, X, t21, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t21, t7, M_2, X, t22, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t22, M_2, X, t22, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = t21 @ M_1
+    t26 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return (t18, t20, t24, t27,)
 
 
 def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -2763,20 +2706,19 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t13
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t8 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2803,16 +2745,15 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t0
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t7 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -2845,20 +2786,19 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t8 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t8 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2885,21 +2825,20 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t0
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t7 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -2929,14 +2868,13 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/n_batch) * X
-    t17 = oe.contract('abc,abd->cdab', t16, G, optimize=[(0, 1)])
-    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/n_batch) * X
+    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2961,13 +2899,12 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -3042,13 +2979,12 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = (1/n_batch) * t18
-    t0 += oe.contract('abc,acde,acf->dbfe', t19, M_2, X, optimize=[(0, 2), (0, 1)])
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = (1/n_batch) * t17
+    t0 += oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3075,14 +3011,13 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t14, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t13, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -3156,25 +3091,24 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t7 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t7 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = t9 + t19 + t20
-    t22 = np.sqrt(np.maximum(t9, 0.0))
-    t23 = np.sqrt(np.maximum(t19, 0.0))
-    t24 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, t23, t24,)
+    t18 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = t9 + t18 + t19
+    t21 = np.sqrt(np.maximum(t9, 0.0))
+    t22 = np.sqrt(np.maximum(t18, 0.0))
+    t23 = np.sqrt(np.maximum(t20, 0.0))
+    return (t21, t22, t23,)
 
 
 def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -3199,17 +3133,16 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
-    t15 = t8 + t13 + t14
-    t16 = np.sqrt(np.maximum(t8, 0.0))
-    t17 = np.sqrt(np.maximum(t13, 0.0))
-    t18 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, t17, t18,)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
+    t14 = t8 + t12 + t13
+    t15 = np.sqrt(np.maximum(t8, 0.0))
+    t16 = np.sqrt(np.maximum(t12, 0.0))
+    t17 = np.sqrt(np.maximum(t14, 0.0))
+    return (t15, t16, t17,)
 
 
 def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -3236,18 +3169,17 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t15, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t18 = t10 + t16 + t17
-    t19 = np.sqrt(np.maximum(t10, 0.0))
-    t20 = np.sqrt(np.maximum(t16, 0.0))
-    t21 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, t20, t21,)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.swapaxes(G, -1, -2)
+    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t14, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t17 = t10 + t15 + t16
+    t18 = np.sqrt(np.maximum(t10, 0.0))
+    t19 = np.sqrt(np.maximum(t15, 0.0))
+    t20 = np.sqrt(np.maximum(t17, 0.0))
+    return (t18, t19, t20,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -3378,7 +3310,7 @@ def ce_causal0__loss(X, W_QK, W_V, Y):
     t9 = t8.sum(-1, keepdims=True)
     t10 = t9.sum(-2, keepdims=True)
     t11 = (-1/L) * t10
-    return t11.mean(0)[0, 0]
+    return (t11[0] if n_batch == 1 else t11.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_QK, W_V, Y):
@@ -3399,21 +3331,19 @@ def ce_causal0__gradient(X, W_QK, W_V, Y):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
-    t19 = t18 @ X
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(t6, -1, -2)
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    t19 = np.swapaxes(A, -1, -2)
     t20 = t0 @ t19
-    t21 = np.swapaxes(A, -1, -2)
-    t22 = t21 @ G
-    t23 = t0 @ t22
-    return (t20.mean(0), t23.mean(0),)
+    t21 = t20 @ G
+    return ((t18[0] if n_batch == 1 else t18.mean(0)), (t21[0] if n_batch == 1 else t21.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
@@ -3486,25 +3416,23 @@ def ce_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t12 = t11 - (A * t11).sum(-1, keepdims=True)
     t13 = A * t12
     t14 = t13 @ t6
-    t15 = X @ V_W_V
-    t16 = A @ t15
+    t15 = A @ X
+    t16 = t15 @ V_W_V
     t17 = t14 + t16
     t18 = t17 - (A9 * t17).sum(-1, keepdims=True)
     t19 = A9 * t18
     t20 = t5 * t19
-    t21 = np.swapaxes(W_V, -1, -2)
-    t22 = t21 @ t0
-    t23 = t20 @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
-    t26 = t25 @ X
-    t27 = t0 @ t26
-    t28 = (1/L) * t27
-    t29 = np.swapaxes(A, -1, -2)
-    t30 = t29 @ t20
-    t31 = t0 @ t30
-    t32 = (1/L) * t31
-    return (t28.mean(0), t32.mean(0),)
+    t21 = np.swapaxes(t6, -1, -2)
+    t22 = t20 @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = (1/L) * t26
+    t28 = np.swapaxes(t15, -1, -2)
+    t29 = t28 @ t20
+    t30 = (1/L) * t29
+    return ((t27[0] if n_batch == 1 else t27.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -3935,39 +3863,38 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = np.eye(L, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
+    t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/n_batch) * X
-    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
-    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t24[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
-    t30 = np.swapaxes(G, -1, -2)
-    t31 = (1/n_batch) * t30
-    t29[...] = oe.contract('abc,acde,acf->dbfe', t31, M_2, X, optimize=[(0, 2), (0, 1)])
-    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t32[...] = 0
+    t24 = (1/n_batch) * X
+    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = (1/n_batch) * t29
+    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t31[...] = 0
     return H
 
 
@@ -3989,32 +3916,31 @@ def ce_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = V_W_QK @ t0
-    t18 = X @ t17
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(t6, -1, -2)
+    t14 = G @ t13
+    t15 = V_W_QK @ t0
+    t16 = X @ t15
+    t17 = t14 - (A * t14).sum(-1, keepdims=True)
+    t18 = A * t17
     t19 = t16 - (A * t16).sum(-1, keepdims=True)
-    t20 = t18 - (A * t18).sum(-1, keepdims=True)
-    t21 = A * t19 * t20
-    t22 = t21 - A * t21.sum(-1, keepdims=True)
-    t23 = np.swapaxes(V_W_V, -1, -2)
-    t24 = t23 @ t0
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
-    t28 = t22 + t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = A * t20
-    t32 = np.swapaxes(t31, -1, -2)
-    t33 = t32 @ G
-    t34 = t0 @ t33
-    return (t30.mean(0), t34.mean(0),)
+    t20 = t18 * t19
+    t21 = t20 - A * t20.sum(-1, keepdims=True)
+    t22 = np.swapaxes(V_W_V, -1, -2)
+    t23 = t22 @ t0
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
+    t27 = t21 + t26
+    t28 = t27 @ X
+    t29 = t0 @ t28
+    t30 = A * t19
+    t31 = np.swapaxes(t30, -1, -2)
+    t32 = t31 @ G
+    t33 = t0 @ t32
+    return ((t29[0] if n_batch == 1 else t29.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -4036,32 +3962,31 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
-    t19 = np.eye(L, dtype=X.dtype)
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(W_V, -1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
+    t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t24, M_2, X, t24, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return (t21, t23, t26, 0.0,)
+    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return (t20, t22, t25, 0.0,)
 
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -4085,22 +4010,21 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = t6 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
-    t20 = np.eye(L, dtype=X.dtype)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4123,18 +4047,17 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
-    t19 = np.eye(L, dtype=X.dtype)
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(W_V, -1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
+    t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -4161,22 +4084,21 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = t6 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
-    t20 = np.eye(L, dtype=X.dtype)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4199,23 +4121,22 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
-    t19 = np.eye(L, dtype=X.dtype)
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(W_V, -1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
+    t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -4244,14 +4165,13 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/n_batch) * X
-    t17 = oe.contract('abc,abd->cdab', t16, G, optimize=[(0, 1)])
-    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (1/n_batch) * X
+    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4279,13 +4199,12 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = t6 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -4327,18 +4246,17 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = t2 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = np.eye(L, dtype=X.dtype)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(G, -1, -2)
+    t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t15
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t16 = (1/n_batch) * t14
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4361,19 +4279,18 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t1 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = np.eye(L, dtype=X.dtype)
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -4431,40 +4348,39 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t19 = np.exp(F - F.max(-1, keepdims=True))
     A20 = t19 / t19.sum(-1, keepdims=True)
     t21 = t8 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t15 @ t2
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdims=True)
-    t28 = A * t27
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t15 @ t2
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdims=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
-    t30 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
-    t31[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t8, dA14, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t32 = (1/n_batch) * X
-    t33 = oe.contract('abc,abd->cdab', t32, G, optimize=[(0, 1)])
-    t34 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t31 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t36 = np.reshape(t35, (d_V, d_V, d_V, d_V), copy=False)
-    t37 = np.swapaxes(G, -1, -2)
-    t38 = (1/n_batch) * t37
-    t36[...] = oe.contract('abc,acde,acf->dbfe', t38, M_2, X, optimize=[(0, 2), (0, 1)])
-    t39 = np.swapaxes(M_1, -1, -2)
-    t40 = (1/(L*n_batch)) * t39
-    t41 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = oe.contract('abc,acd->bdac', t40, X, optimize=[(0, 1)])
-    t36 += oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
-    t43 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
-    t44[...] = oe.contract('abc,acd,acde,acf->bdfe', t40, t8, dA14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t28 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
+    t29 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
+    t30[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t8, dA14, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t31 = (1/n_batch) * X
+    t32 = oe.contract('abc,abd->cdab', t31, G, optimize=[(0, 1)])
+    t33 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t30 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
+    t36 = np.swapaxes(G, -1, -2)
+    t37 = (1/n_batch) * t36
+    t35[...] = oe.contract('abc,acde,acf->dbfe', t37, M_2, X, optimize=[(0, 2), (0, 1)])
+    t38 = np.swapaxes(M_1, -1, -2)
+    t39 = (1/(L*n_batch)) * t38
+    t40 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
+    t35 += oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_V), copy=False)
+    t43[...] = oe.contract('abc,acd,acde,acf->bdfe', t39, t8, dA14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -4486,46 +4402,44 @@ def ce_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = t14 @ t0
-    t16 = t13 @ t15
-    t17 = V_W_QK @ t0
-    t18 = X @ t17
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    t13 = np.swapaxes(t6, -1, -2)
+    t14 = t12 @ t13
+    t15 = V_W_QK @ t0
+    t16 = X @ t15
+    t17 = t14 - (A * t14).sum(-1, keepdims=True)
+    t18 = A * t17
     t19 = t16 - (A * t16).sum(-1, keepdims=True)
-    t20 = t18 - (A * t18).sum(-1, keepdims=True)
-    t21 = A * t19 * t20
-    t22 = t21 - A * t21.sum(-1, keepdims=True)
-    t23 = np.swapaxes(V_W_V, -1, -2)
-    t24 = t23 @ t0
-    t25 = t13 @ t24
-    t26 = A * t20
-    t27 = t26 @ t6
-    t28 = X @ V_W_V
-    t29 = A @ t28
-    t30 = t27 + t29
-    t31 = t30 - (A9 * t30).sum(-1, keepdims=True)
-    t32 = A9 * t31
-    t33 = t5 * t32
-    t34 = t33 @ t15
-    t35 = (1/L) * t34
-    t36 = t25 + t35
-    t37 = t36 - (A * t36).sum(-1, keepdims=True)
-    t38 = A * t37
-    t39 = t22 + t38
-    t40 = t39 @ X
-    t41 = t0 @ t40
-    t42 = np.swapaxes(t26, -1, -2)
-    t43 = t42 @ t13
-    t44 = t0 @ t43
-    t45 = np.swapaxes(A, -1, -2)
-    t46 = t45 @ t33
+    t20 = t18 * t19
+    t21 = t20 - A * t20.sum(-1, keepdims=True)
+    t22 = np.swapaxes(V_W_V, -1, -2)
+    t23 = t22 @ t0
+    t24 = t12 @ t23
+    t25 = A * t19
+    t26 = t25 @ t6
+    t27 = np.swapaxes(t23, -1, -2)
+    t28 = A @ t27
+    t29 = t26 + t28
+    t30 = t29 - (A9 * t29).sum(-1, keepdims=True)
+    t31 = A9 * t30
+    t32 = t5 * t31
+    t33 = t32 @ t13
+    t34 = (1/L) * t33
+    t35 = t24 + t34
+    t36 = t35 - (A * t35).sum(-1, keepdims=True)
+    t37 = A * t36
+    t38 = t21 + t37
+    t39 = t38 @ X
+    t40 = t0 @ t39
+    t41 = np.swapaxes(t25, -1, -2)
+    t42 = t41 @ t12
+    t43 = np.swapaxes(A, -1, -2)
+    t44 = t43 @ t32
+    t45 = (1/L) * t44
+    t46 = t42 + t45
     t47 = t0 @ t46
-    t48 = (1/L) * t47
-    t49 = t44 + t48
-    return (t41.mean(0), t49.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t47[0] if n_batch == 1 else t47.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
@@ -4558,29 +4472,28 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t13 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdims=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = np.swapaxes(G, -1, -2)
-    t29 = np.swapaxes(M_1, -1, -2)
-    t30 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t28, M_2, X, t28, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t28, M_2, X, t29, t6, dA12, t13, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t29, t6, dA12, t13, M_2, X, t29, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t29, t6, dA12, M_1, t29, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    return (t25, t27, t31, t33,)
+    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = np.swapaxes(M_1, -1, -2)
+    t29 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t27, M_2, X, t27, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t27, M_2, X, t28, t6, dA12, t13, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t28, t6, dA12, t13, M_2, X, t28, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t28, t6, dA12, M_1, t28, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return (t24, t26, t30, t32,)
 
 
 def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -4619,20 +4532,19 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = t7 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t14 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t14 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t28, M_3, X, optimize=[(0, 2), (0, 1)])
+    t27 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t27, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4666,16 +4578,15 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t13 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdims=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -4717,20 +4628,19 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = t7 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t14 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t14 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
+    t27 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4764,21 +4674,20 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t13 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdims=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return t25
+    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -4814,14 +4723,13 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = t7 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/n_batch) * X
-    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = (1/n_batch) * X
+    t21 = oe.contract('abc,abd->cdab', t20, G, optimize=[(0, 1)])
+    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4854,13 +4762,12 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = t6 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -4938,29 +4845,28 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.exp(F - F.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = t2 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = np.eye(L, dtype=X.dtype)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = np.swapaxes(G, -1, -2)
+    t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t15
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.eye(d_V, dtype=X.dtype)
+    t16 = (1/n_batch) * t14
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA22 = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_V, -1, -2)
-    t24 = (1/(L*n_batch)) * t18
-    t25 = oe.contract('abc,abcd,de,abef->cfab', t2, dA22, t23, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    dA21 = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t22 = np.swapaxes(W_V, -1, -2)
+    t23 = (1/(L*n_batch)) * t17
+    t24 = oe.contract('abc,abcd,de,abef->cfab', t2, dA21, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -4983,26 +4889,25 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = np.exp(F - F.max(-1, keepdims=True))
     A9 = t8 / t8.sum(-1, keepdims=True)
     t10 = t1 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = np.eye(L, dtype=X.dtype)
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.exp(t7 - t7.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = np.eye(d_V, dtype=X.dtype)
+    t15 = np.swapaxes(M_1, -1, -2)
+    t16 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
-    t21 = np.swapaxes(W_V, -1, -2)
-    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t14, M_2, X, t16, t1, dA20, t21, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t16, t1, dA20, t21, M_2, X, t16, t1, dA20, t21, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return t23
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t13, M_2, X, t15, t1, dA19, t20, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t15, t1, dA19, t20, M_2, X, t15, t1, dA19, t20, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -5090,25 +4995,24 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = t6 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t13 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t13 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = t14 + t25 + t26
-    t28 = np.sqrt(np.maximum(t14, 0.0))
-    t29 = np.sqrt(np.maximum(t25, 0.0))
-    t30 = np.sqrt(np.maximum(t27, 0.0))
-    return (t28, t29, t30,)
+    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = t14 + t24 + t25
+    t27 = np.sqrt(np.maximum(t14, 0.0))
+    t28 = np.sqrt(np.maximum(t24, 0.0))
+    t29 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27, t28, t29,)
 
 
 def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -5141,17 +5045,16 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = t13 + t20 + t21
-    t23 = np.sqrt(np.maximum(t13, 0.0))
-    t24 = np.sqrt(np.maximum(t20, 0.0))
-    t25 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, t24, t25,)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = t13 + t19 + t20
+    t22 = np.sqrt(np.maximum(t13, 0.0))
+    t23 = np.sqrt(np.maximum(t19, 0.0))
+    t24 = np.sqrt(np.maximum(t21, 0.0))
+    return (t22, t23, t24,)
 
 
 def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -5186,18 +5089,17 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = t7 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t22, M_2, X, t22, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t5, t7, dA, t12, M_2, X, t22, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = t15 + t23 + t24
-    t26 = np.sqrt(np.maximum(t15, 0.0))
-    t27 = np.sqrt(np.maximum(t23, 0.0))
-    t28 = np.sqrt(np.maximum(t25, 0.0))
-    return (t26, t27, t28,)
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t5, t7, dA, t12, M_2, X, t21, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = t15 + t22 + t23
+    t25 = np.sqrt(np.maximum(t15, 0.0))
+    t26 = np.sqrt(np.maximum(t22, 0.0))
+    t27 = np.sqrt(np.maximum(t24, 0.0))
+    return (t25, t26, t27,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -5248,7 +5150,7 @@ def ce_causal1__loss(X, W_QK, W_V, Y):
     t11 = t10.sum(-1, keepdims=True)
     t12 = t11.sum(-2, keepdims=True)
     t13 = (-1/L) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_QK, W_V, Y):
@@ -5271,21 +5173,19 @@ def ce_causal1__gradient(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = t20 @ X
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(t8, -1, -2)
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    t21 = np.swapaxes(A, -1, -2)
     t22 = t0 @ t21
-    t23 = np.swapaxes(A, -1, -2)
-    t24 = t23 @ G
-    t25 = t0 @ t24
-    return (t22.mean(0), t25.mean(0),)
+    t23 = t22 @ G
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
@@ -5362,25 +5262,23 @@ def ce_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t14 = t13 - (A * t13).sum(-1, keepdims=True)
     t15 = A * t14
     t16 = t15 @ t8
-    t17 = X @ V_W_V
-    t18 = A @ t17
+    t17 = A @ X
+    t18 = t17 @ V_W_V
     t19 = t16 + t18
     t20 = t19 - (A11 * t19).sum(-1, keepdims=True)
     t21 = A11 * t20
     t22 = t7 * t21
-    t23 = np.swapaxes(W_V, -1, -2)
-    t24 = t23 @ t0
-    t25 = t22 @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
-    t28 = t27 @ X
-    t29 = t0 @ t28
-    t30 = (1/L) * t29
-    t31 = np.swapaxes(A, -1, -2)
-    t32 = t31 @ t22
-    t33 = t0 @ t32
-    t34 = (1/L) * t33
-    return (t30.mean(0), t34.mean(0),)
+    t23 = np.swapaxes(t8, -1, -2)
+    t24 = t22 @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
+    t27 = t26 @ X
+    t28 = t0 @ t27
+    t29 = (1/L) * t28
+    t30 = np.swapaxes(t17, -1, -2)
+    t31 = t30 @ t22
+    t32 = (1/L) * t31
+    return ((t29[0] if n_batch == 1 else t29.mean(0)), (t32[0] if n_batch == 1 else t32.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -5839,39 +5737,38 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
-    t23 = np.eye(L, dtype=X.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t24, M_3, X, optimize=[(0, 2), (0, 1)])
-    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
+    t23 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/n_batch) * X
-    t28 = oe.contract('abc,abd->cdab', t27, G, optimize=[(0, 1)])
-    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t26[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
-    t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
-    t32 = np.swapaxes(G, -1, -2)
-    t33 = (1/n_batch) * t32
-    t31[...] = oe.contract('abc,acde,acf->dbfe', t33, M_2, X, optimize=[(0, 2), (0, 1)])
-    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t34[...] = 0
+    t26 = (1/n_batch) * X
+    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = (1/n_batch) * t31
+    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
+    t33 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t33[...] = 0
     return H
 
 
@@ -5895,32 +5792,31 @@ def ce_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = V_W_QK @ t0
-    t20 = X @ t19
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(t8, -1, -2)
+    t16 = G @ t15
+    t17 = V_W_QK @ t0
+    t18 = X @ t17
+    t19 = t16 - (A * t16).sum(-1, keepdims=True)
+    t20 = A * t19
     t21 = t18 - (A * t18).sum(-1, keepdims=True)
-    t22 = t20 - (A * t20).sum(-1, keepdims=True)
-    t23 = A * t21 * t22
-    t24 = t23 - A * t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(V_W_V, -1, -2)
-    t26 = t25 @ t0
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdims=True)
-    t29 = A * t28
-    t30 = t24 + t29
-    t31 = t30 @ X
-    t32 = t0 @ t31
-    t33 = A * t22
-    t34 = np.swapaxes(t33, -1, -2)
-    t35 = t34 @ G
-    t36 = t0 @ t35
-    return (t32.mean(0), t36.mean(0),)
+    t22 = t20 * t21
+    t23 = t22 - A * t22.sum(-1, keepdims=True)
+    t24 = np.swapaxes(V_W_V, -1, -2)
+    t25 = t24 @ t0
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
+    t29 = t23 + t28
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = A * t21
+    t33 = np.swapaxes(t32, -1, -2)
+    t34 = t33 @ G
+    t35 = t0 @ t34
+    return ((t31[0] if n_batch == 1 else t31.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -5944,32 +5840,31 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = np.eye(L, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = t15 @ t0
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
+    t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t26, M_2, X, t26, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    return (t23, t25, t28, 0.0,)
+    t23 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = np.swapaxes(G, -1, -2)
+    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t25, M_2, X, t25, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return (t22, t24, t27, 0.0,)
 
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -5995,22 +5890,21 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
-    t22 = np.eye(L, dtype=X.dtype)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = t16 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
+    t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -6035,18 +5929,17 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = np.eye(L, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = t15 @ t0
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
+    t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -6075,22 +5968,21 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
-    t22 = np.eye(L, dtype=X.dtype)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = t16 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
+    t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -6115,23 +6007,22 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = np.eye(L, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = t15 @ t0
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
+    t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return t23
+    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -6162,14 +6053,13 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t12 = np.exp(F - F.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/n_batch) * X
-    t19 = oe.contract('abc,abd->cdab', t18, G, optimize=[(0, 1)])
-    t20 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = (1/n_batch) * X
+    t18 = oe.contract('abc,abd->cdab', t17, G, optimize=[(0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6199,13 +6089,12 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -6249,18 +6138,17 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = t2 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = np.eye(L, dtype=X.dtype)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t17
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t19, M_2, X, optimize=[(0, 2), (0, 1)])
+    t18 = (1/n_batch) * t16
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -6285,19 +6173,18 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t1 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = np.eye(L, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t16, M_2, X, t16, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -6357,40 +6244,39 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t21 = np.exp(F - F.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = t10 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t17 @ t2
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdims=True)
-    t30 = A * t29
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t17 @ t2
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdims=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t31, M_3, X, optimize=[(0, 2), (0, 1)])
-    t32 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
-    t33[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t18, W_V, t10, dA16, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t34 = (1/n_batch) * X
-    t35 = oe.contract('abc,abd->cdab', t34, G, optimize=[(0, 1)])
-    t36 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t33 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_V), copy=False)
-    t39 = np.swapaxes(G, -1, -2)
-    t40 = (1/n_batch) * t39
-    t38[...] = oe.contract('abc,acde,acf->dbfe', t40, M_2, X, optimize=[(0, 2), (0, 1)])
-    t41 = np.swapaxes(M_1, -1, -2)
-    t42 = (1/(L*n_batch)) * t41
-    t43 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
-    t46[...] = oe.contract('abc,acd,acde,acf->bdfe', t42, t10, dA16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t30 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t30, M_3, X, optimize=[(0, 2), (0, 1)])
+    t31 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
+    t32[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t18, W_V, t10, dA16, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t33 = (1/n_batch) * X
+    t34 = oe.contract('abc,abd->cdab', t33, G, optimize=[(0, 1)])
+    t35 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t32 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
+    t38 = np.swapaxes(G, -1, -2)
+    t39 = (1/n_batch) * t38
+    t37[...] = oe.contract('abc,acde,acf->dbfe', t39, M_2, X, optimize=[(0, 2), (0, 1)])
+    t40 = np.swapaxes(M_1, -1, -2)
+    t41 = (1/(L*n_batch)) * t40
+    t42 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
+    t37 += oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
+    t45[...] = oe.contract('abc,acd,acde,acf->bdfe', t41, t10, dA16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -6414,46 +6300,44 @@ def ce_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = t15 @ t17
-    t19 = V_W_QK @ t0
-    t20 = X @ t19
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    t15 = np.swapaxes(t8, -1, -2)
+    t16 = t14 @ t15
+    t17 = V_W_QK @ t0
+    t18 = X @ t17
+    t19 = t16 - (A * t16).sum(-1, keepdims=True)
+    t20 = A * t19
     t21 = t18 - (A * t18).sum(-1, keepdims=True)
-    t22 = t20 - (A * t20).sum(-1, keepdims=True)
-    t23 = A * t21 * t22
-    t24 = t23 - A * t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(V_W_V, -1, -2)
-    t26 = t25 @ t0
-    t27 = t15 @ t26
-    t28 = A * t22
-    t29 = t28 @ t8
-    t30 = X @ V_W_V
-    t31 = A @ t30
-    t32 = t29 + t31
-    t33 = t32 - (A11 * t32).sum(-1, keepdims=True)
-    t34 = A11 * t33
-    t35 = t7 * t34
-    t36 = t35 @ t17
-    t37 = (1/L) * t36
-    t38 = t27 + t37
-    t39 = t38 - (A * t38).sum(-1, keepdims=True)
-    t40 = A * t39
-    t41 = t24 + t40
-    t42 = t41 @ X
-    t43 = t0 @ t42
-    t44 = np.swapaxes(t28, -1, -2)
-    t45 = t44 @ t15
-    t46 = t0 @ t45
-    t47 = np.swapaxes(A, -1, -2)
-    t48 = t47 @ t35
+    t22 = t20 * t21
+    t23 = t22 - A * t22.sum(-1, keepdims=True)
+    t24 = np.swapaxes(V_W_V, -1, -2)
+    t25 = t24 @ t0
+    t26 = t14 @ t25
+    t27 = A * t21
+    t28 = t27 @ t8
+    t29 = np.swapaxes(t25, -1, -2)
+    t30 = A @ t29
+    t31 = t28 + t30
+    t32 = t31 - (A11 * t31).sum(-1, keepdims=True)
+    t33 = A11 * t32
+    t34 = t7 * t33
+    t35 = t34 @ t15
+    t36 = (1/L) * t35
+    t37 = t26 + t36
+    t38 = t37 - (A * t37).sum(-1, keepdims=True)
+    t39 = A * t38
+    t40 = t23 + t39
+    t41 = t40 @ X
+    t42 = t0 @ t41
+    t43 = np.swapaxes(t27, -1, -2)
+    t44 = t43 @ t14
+    t45 = np.swapaxes(A, -1, -2)
+    t46 = t45 @ t34
+    t47 = (1/L) * t46
+    t48 = t44 + t47
     t49 = t0 @ t48
-    t50 = (1/L) * t49
-    t51 = t46 + t50
-    return (t43.mean(0), t51.mean(0),)
+    return ((t42[0] if n_batch == 1 else t42.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
@@ -6488,29 +6372,28 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = t8 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t15 @ t0
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t15 @ t0
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t29 = np.sqrt(np.maximum(t28, 0.0))
-    t30 = np.swapaxes(G, -1, -2)
-    t31 = np.swapaxes(M_1, -1, -2)
-    t32 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t30, M_2, X, t30, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t30, M_2, X, t31, t8, dA14, t15, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t31, t8, dA14, t15, M_2, X, t31, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    t34 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t31, t8, dA14, M_1, t31, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    return (t27, t29, t33, t35,)
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = np.swapaxes(M_1, -1, -2)
+    t31 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t29, M_2, X, t29, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t29, M_2, X, t30, t8, dA14, t15, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t30, t8, dA14, t15, M_2, X, t30, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t30, t8, dA14, M_1, t30, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    return (t26, t28, t32, t34,)
 
 
 def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -6551,20 +6434,19 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = t9 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t16 @ t1
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdims=True)
-    t29 = A * t28
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t16 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t30, M_3, X, optimize=[(0, 2), (0, 1)])
+    t29 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t29, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -6600,16 +6482,15 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = t8 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t15 @ t0
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t15 @ t0
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
@@ -6653,20 +6534,19 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = t9 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t16 @ t1
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdims=True)
-    t29 = A * t28
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t16 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t30, M_3, X, optimize=[(0, 2), (0, 1)])
+    t29 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -6702,21 +6582,20 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = t8 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t15 @ t0
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t15 @ t0
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return t27
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -6754,14 +6633,13 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t17 = np.exp(F - F.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = t9 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = (1/n_batch) * X
-    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (1/n_batch) * X
+    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
+    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -6796,13 +6674,12 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = t8 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -6886,29 +6763,28 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t11 = np.exp(F - F.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = t2 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = np.eye(L, dtype=X.dtype)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t17
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t19, M_2, X, optimize=[(0, 2), (0, 1)])
-    t20 = np.swapaxes(M_1, -1, -2)
-    t21 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.eye(d_V, dtype=X.dtype)
+    t18 = (1/n_batch) * t16
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = (1/(L*n_batch)) * t20
-    t27 = oe.contract('abc,abcd,de,abef->cfab', t2, dA24, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t24 = np.swapaxes(W_V, -1, -2)
+    t25 = (1/(L*n_batch)) * t19
+    t26 = oe.contract('abc,abcd,de,abef->cfab', t2, dA23, t24, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t25, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -6933,26 +6809,25 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t10 = np.exp(F - F.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = t1 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = np.eye(L, dtype=X.dtype)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.eye(d_V, dtype=X.dtype)
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA22 = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_V, -1, -2)
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t16, M_2, X, t16, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t16, M_2, X, t18, t1, dA22, t23, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t18, t1, dA22, t23, M_2, X, t18, t1, dA22, t23, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return t25
+    dA21 = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t22 = np.swapaxes(W_V, -1, -2)
+    t23 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t15, M_2, X, t17, t1, dA21, t22, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t17, t1, dA21, t22, M_2, X, t17, t1, dA21, t22, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -7046,25 +6921,24 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t17 = np.exp(F - F.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = t8 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = t15 @ t0
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdims=True)
-    t26 = A * t25
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = t15 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t29 = t16 + t27 + t28
-    t30 = np.sqrt(np.maximum(t16, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 + t26 + t27
+    t29 = np.sqrt(np.maximum(t16, 0.0))
+    t30 = np.sqrt(np.maximum(t26, 0.0))
+    t31 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -7099,17 +6973,16 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = t8 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = t15 + t22 + t23
-    t25 = np.sqrt(np.maximum(t15, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = t15 + t21 + t22
+    t24 = np.sqrt(np.maximum(t15, 0.0))
+    t25 = np.sqrt(np.maximum(t21, 0.0))
+    t26 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24, t25, t26,)
 
 
 def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -7146,18 +7019,17 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = t9 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t24, M_2, X, t24, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t7, t9, dA, t14, M_2, X, t24, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = t17 + t25 + t26
-    t28 = np.sqrt(np.maximum(t17, 0.0))
-    t29 = np.sqrt(np.maximum(t25, 0.0))
-    t30 = np.sqrt(np.maximum(t27, 0.0))
-    return (t28, t29, t30,)
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t7, t9, dA, t14, M_2, X, t23, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = t17 + t24 + t25
+    t27 = np.sqrt(np.maximum(t17, 0.0))
+    t28 = np.sqrt(np.maximum(t24, 0.0))
+    t29 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27, t28, t29,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):

@@ -35,13 +35,12 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = X @ W_V
     t8 = A @ t7
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = t10 * t10
-    t12 = t11.sum(-1, keepdim=True)
-    t13 = t12.sum(-2, keepdim=True)
-    t14 = (1/(L*d_V)) * t13
-    return t14.mean(0)[0, 0]
+    t9 = t8 - Y
+    t10 = t9 * t9
+    t11 = t10.sum(-1, keepdim=True)
+    t12 = t11.sum(-2, keepdim=True)
+    t13 = (1/(L*d_V)) * t12
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -51,38 +50,35 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = X @ W_V
     t8 = A @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = t0 @ t18
-    t20 = (1/math.sqrt(d_K)) * t19
-    t21 = t16.transpose(-1, -2)
-    t22 = X @ W_Q
-    t23 = t21 @ t22
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t7.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = t12 - (A * t12).sum(-1, keepdim=True)
+    t14 = A * t13
+    t15 = t0 @ t14
+    t16 = t3.transpose(-1, -2)
+    t17 = t15 @ t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    t19 = t14.transpose(-1, -2)
+    t20 = t0 @ t19
+    t21 = t20 @ t1
+    t22 = (1/math.sqrt(d_K)) * t21
+    t23 = A.transpose(-1, -2)
     t24 = t0 @ t23
-    t25 = (1/math.sqrt(d_K)) * t24
-    t26 = A.transpose(-1, -2)
-    t27 = t26 @ G
-    t28 = t0 @ t27
-    return (t20.mean(0), t25.mean(0), t28.mean(0),)
+    t25 = t24 @ G
+    return ((t18[0] if n_batch == 1 else t18.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)), (t25[0] if n_batch == 1 else t25.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -166,49 +162,43 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
+    t7 = V_W_Q @ t3
     t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = V_W_K.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = t9 + t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = X @ W_V
-    t19 = t17 @ t18
-    t20 = (2/(L*d_V)) * t19
-    t21 = X @ V_W_V
-    t22 = A @ t21
-    t23 = (2/(L*d_V)) * t22
-    t24 = t20 + t23
-    t25 = W_V.transpose(-1, -2)
-    t26 = t25 @ t0
-    t27 = t24 @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
-    t30 = X @ W_K
-    t31 = t29 @ t30
-    t32 = t0 @ t31
+    t9 = V_W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t1 @ t10
+    t12 = t8 + t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = X @ W_V
+    t17 = t15 @ t16
+    t18 = A @ X
+    t19 = t18 @ V_W_V
+    t20 = t17 + t19
+    t21 = (2/(L*d_V)) * t20
+    t22 = t16.transpose(-1, -2)
+    t23 = t21 @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t0 @ t25
+    t27 = t3.transpose(-1, -2)
+    t28 = t26 @ t27
+    t29 = (1/math.sqrt(d_K)) * t28
+    t30 = t25.transpose(-1, -2)
+    t31 = t0 @ t30
+    t32 = t31 @ t1
     t33 = (1/math.sqrt(d_K)) * t32
-    t34 = t29.transpose(-1, -2)
-    t35 = X @ W_Q
-    t36 = t34 @ t35
-    t37 = t0 @ t36
-    t38 = (1/math.sqrt(d_K)) * t37
-    t39 = A.transpose(-1, -2)
-    t40 = t39 @ t24
-    t41 = t0 @ t40
-    return (t33.mean(0), t38.mean(0), t41.mean(0),)
+    t34 = t18.transpose(-1, -2)
+    t35 = t34 @ t21
+    return ((t29[0] if n_batch == 1 else t29.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -941,82 +931,79 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t3
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t3
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = t22.diagonal(0, 1, 3)
-    t24 = t18 @ X
-    t25 = t3 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t23 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t29 = oe.contract('ab,cdbe->aecd', t20, M_3, optimize=[(0, 1)])
-    t22 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = t21.diagonal(0, 1, 3)
+    t23 = t17 @ X
+    t24 = t3 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t22 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t21 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cdeb->aecd', t32, M_2, optimize=[(0, 1)])
-    t31[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = t36.diagonal(0, 1, 3)
-    t38 = t18.transpose(-1, -2)
-    t39 = t38 @ X
-    t40 = t3 @ t39
-    t37 += oe.contract('abc,d->bcd', t40, t27, optimize=[(0, 1)])
-    t41 = W_Q.transpose(-1, -2)
-    t42 = (1/(d_K*n_batch)) * t41
-    t43 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t44 = oe.contract('ab,cbd,cde->aecd', t42, t3, X, optimize=[(0, 1), (0, 1)])
-    t36 += oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_K, d_V, d_K))
-    t47 = oe.contract('ab,cbd,cde,ef->afcd', t42, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t48 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50 = t49.view((d_V, d_K, d_V, d_V))
-    t51 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t52 = oe.contract('ab,cdb,cde->aecd', t51, X, G, optimize=[(0, 1), (0, 1)])
-    t53 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t50[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = G.transpose(-1, -2)
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t58 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t59 = oe.contract('abc,acd->bdac', t57, X, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
-    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t61 = t60.view((d_V, d_V, d_V, d_K))
-    t62 = oe.contract('abc,acd,de->beac', t57, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t63 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t64[...] = 0
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cdeb->aecd', t31, M_2, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t34[...] = 0
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = t24.transpose(-1, -2)
+    t36 += oe.contract('abc,d->bcd', t37, t26, optimize=[(0, 1)])
+    t38 = W_Q.transpose(-1, -2)
+    t39 = (1/(d_K*n_batch)) * t38
+    t40 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cbd,cde->aecd', t39, t3, X, optimize=[(0, 1), (0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = oe.contract('ab,cbd,cde,ef->afcd', t39, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t45 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = t46.view((d_V, d_K, d_V, d_V))
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t49 = oe.contract('ab,cdb,cde->aecd', t48, X, G, optimize=[(0, 1), (0, 1)])
+    t50 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t52 = t51.view((d_V, d_V, d_V, d_K))
+    t53 = G.transpose(-1, -2)
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t55 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
+    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t58 = t57.view((d_V, d_V, d_V, d_K))
+    t59 = oe.contract('abc,acd,de->beac', t54, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t60 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61[...] = 0
     return H
 
 
@@ -1027,70 +1014,58 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = V_W_K.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = t9 + t14
-    t16 = X @ W_V
-    t17 = A @ t16
-    F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = G @ t22
-    t24 = t15 - (A * t15).sum(-1, keepdim=True)
-    t25 = t23 - (A * t23).sum(-1, keepdim=True)
-    t26 = A * t24 * t25
-    t27 = t26 - A * t26.sum(-1, keepdim=True)
-    t28 = V_W_V.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = G @ t29
-    t31 = t30 - (A * t30).sum(-1, keepdim=True)
-    t32 = A * t31
-    t33 = t27 + t32
-    t34 = X @ W_K
+    t7 = X @ V_W_Q
+    t8 = t7 @ t3
+    t9 = V_W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t1 @ t10
+    t12 = t8 + t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    t14 = X @ W_V
+    t15 = A @ t14
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t14.transpose(-1, -2)
+    t19 = G @ t18
+    t20 = t13 - (A * t13).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t19 - (A * t19).sum(-1, keepdim=True)
+    t23 = t21 * t22
+    t24 = t23 - A * t23.sum(-1, keepdim=True)
+    t25 = V_W_V.transpose(-1, -2)
+    t26 = t25 @ t0
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    t30 = t24 + t29
+    t31 = t3.transpose(-1, -2)
+    t32 = t30 @ t31
+    t33 = A * t22
+    t34 = t10.transpose(-1, -2)
     t35 = t33 @ t34
-    t36 = t0 @ t35
+    t36 = t32 + t35
     t37 = (1/math.sqrt(d_K)) * t36
-    t38 = A * t25
-    t39 = X @ V_W_K
-    t40 = t38 @ t39
-    t41 = t0 @ t40
-    t42 = (1/math.sqrt(d_K)) * t41
-    t43 = t37 + t42
-    t44 = t27.transpose(-1, -2)
-    t45 = t32.transpose(-1, -2)
-    t46 = t44 + t45
-    t47 = X @ W_Q
-    t48 = t46 @ t47
-    t49 = t0 @ t48
-    t50 = (1/math.sqrt(d_K)) * t49
-    t51 = t38.transpose(-1, -2)
-    t52 = X @ V_W_Q
-    t53 = t51 @ t52
-    t54 = t0 @ t53
-    t55 = (1/math.sqrt(d_K)) * t54
-    t56 = t50 + t55
-    t57 = A * t24
-    t58 = t57.transpose(-1, -2)
-    t59 = t58 @ G
-    t60 = t0 @ t59
-    return (t43.mean(0), t56.mean(0), t60.mean(0),)
+    t38 = t0 @ t37
+    t39 = t30.transpose(-1, -2)
+    t40 = t39 @ t1
+    t41 = t33.transpose(-1, -2)
+    t42 = t41 @ t7
+    t43 = t40 + t42
+    t44 = (1/math.sqrt(d_K)) * t43
+    t45 = t0 @ t44
+    t46 = t21.transpose(-1, -2)
+    t47 = t46 @ G
+    t48 = t0 @ t47
+    return ((t38[0] if n_batch == 1 else t38.mean(0)), (t45[0] if n_batch == 1 else t45.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -1111,48 +1086,45 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t1
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t16 @ X
-    t21 = t1 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = t15 @ X
+    t20 = t1 @ t19
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t16.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t1 @ t27
-    t29 = W_Q.transpose(-1, -2)
-    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = t20.transpose(-1, -2)
+    t26 = W_Q.transpose(-1, -2)
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t26, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t26, t1, M_3, X, W_K, t26, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t26, t1, M_3, X, W_Q, t26, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t26, M_2, X, G, t26, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = G.transpose(-1, -2)
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t33, M_2, X, W_K, t33, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
     t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = G.transpose(-1, -2)
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t36, M_2, X, W_K, t36, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t36, M_2, X, W_Q, t36, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    return (t19, t23, t25, t31, t33, t35, t38, t40, 0.0,)
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t33, M_2, X, W_Q, t33, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return (t18, t22, t24, t28, t30, t32, t35, t37, 0.0,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1175,24 +1147,23 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t1
-    t20 = oe.contract('ab,cdbe,ea->acd', t19, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t21 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1214,18 +1185,17 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t1
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -1251,22 +1221,21 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1288,23 +1257,22 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t1
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1329,29 +1297,28 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t3
-    t25 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t26 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -1373,25 +1340,24 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t17, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1419,14 +1385,13 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t16 = oe.contract('ab,cdeb->aecd', t14, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1453,13 +1418,12 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1483,22 +1447,21 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t20, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1521,18 +1484,17 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -1560,31 +1522,30 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = W_Q.transpose(-1, -2)
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17.transpose(-1, -2)
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t24
-    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t23
+    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -1606,27 +1567,26 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = W_Q.transpose(-1, -2)
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = t15.transpose(-1, -2)
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    t19 = W_Q.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t18, t19, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t19, t0, M_3, X, W_K, t19, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1650,24 +1610,23 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t21 = oe.contract('ab,cbd,cde,ef->afcd', t20, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1690,23 +1649,22 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1735,14 +1693,13 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('ab,cdb,cde->aecd', t15, X, G, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1770,13 +1727,12 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1819,20 +1775,19 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t12
+    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1854,19 +1809,18 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t11, M_2, X, W_K, t11, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1889,20 +1843,19 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = oe.contract('abc,acd,de->beac', t15, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t12
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1924,19 +1877,18 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t11, M_2, X, W_Q, t11, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1989,102 +1941,99 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     M_1 = t13
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t10 @ t3
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t10 @ t3
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t21 @ X
-    t27 = t3 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t25 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
-    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t36 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t35[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t40[...] = 0
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t42 = t41.diagonal(0, 1, 3)
-    t43 = t21.transpose(-1, -2)
-    t44 = t43 @ X
-    t45 = t3 @ t44
-    t42 += oe.contract('abc,d->bcd', t45, t29, optimize=[(0, 1)])
-    t46 = W_Q.transpose(-1, -2)
-    t47 = (1/(d_K*n_batch)) * t46
-    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
-    t41 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = (2/(L*d_K*d_V*n_batch)) * t46
-    t41 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t50, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = oe.contract('ab,cdb,cde,ef->afcd', t50, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t54 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
-    t55 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t56 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t52 += oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = t57.view((d_V, d_K, d_V, d_V))
-    t59 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t46
-    t60 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t61 = oe.contract('ab,cdb,cde->aecd', t59, X, M_1, optimize=[(0, 1), (0, 1)])
-    t58[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t63 = oe.contract('ab,cdb,cde->aecd', t62, X, G, optimize=[(0, 1), (0, 1)])
-    t64 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t58 += oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t66 = t65.view((d_V, d_V, d_V, d_K))
-    t67 = M_1.transpose(-1, -2)
-    t68 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
-    t66[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t68, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t69 = G.transpose(-1, -2)
-    t70 = (1/(math.sqrt(d_K)*n_batch)) * t69
-    t71 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t72 = oe.contract('abc,acd->bdac', t70, X, optimize=[(0, 1)])
-    t66 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t74 = t73.view((d_V, d_V, d_V, d_K))
-    t75 = oe.contract('abc,acd,de->beac', t68, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t76 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t74[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
-    t77 = oe.contract('abc,acd,de->beac', t70, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t78 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t74 += oe.contract('abcd,efcd->eafb', t77, t78, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t79[...] = 0
-    t80 = t79.view((d_V, d_V, d_V, d_V))
-    t81 = t80.diagonal(0, 1, 3)
-    t82 = t67 @ M_1
-    t83 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t84 = (2/(L*d_V*n_batch)) * t83
-    t81 += oe.contract('abc,d->bcd', t82, t84, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t20 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = t33.view((d_V, d_K, d_V, d_V))
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t34[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t35, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
+    t34 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = t26.transpose(-1, -2)
+    t41 += oe.contract('abc,d->bcd', t42, t28, optimize=[(0, 1)])
+    t43 = W_Q.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch)) * t43
+    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = (2/(L*d_K*d_V*n_batch)) * t43
+    t40 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t47, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_K, d_V, d_K))
+    t50 = oe.contract('ab,cdb,cde,ef->afcd', t47, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t49 += oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t55 = t54.view((d_V, d_K, d_V, d_V))
+    t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t43
+    t57 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t58 = oe.contract('ab,cdb,cde->aecd', t56, X, M_1, optimize=[(0, 1), (0, 1)])
+    t55[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t60 = oe.contract('ab,cdb,cde->aecd', t59, X, G, optimize=[(0, 1), (0, 1)])
+    t61 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t55 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t63 = t62.view((d_V, d_V, d_V, d_K))
+    t64 = M_1.transpose(-1, -2)
+    t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t64
+    t63[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t65, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t66 = G.transpose(-1, -2)
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
+    t68 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
+    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t71 = t70.view((d_V, d_V, d_V, d_K))
+    t72 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t73 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t71 += oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t76[...] = 0
+    t77 = t76.view((d_V, d_V, d_V, d_V))
+    t78 = t77.diagonal(0, 1, 3)
+    t79 = t64 @ M_1
+    t80 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t81 = (2/(L*d_V*n_batch)) * t80
+    t78 += oe.contract('abc,d->bcd', t79, t81, optimize=[(0, 1)])
     return H
 
 
@@ -2095,83 +2044,66 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = V_W_K.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = t9 + t14
-    t16 = X @ W_V
-    t17 = A @ t16
-    F = t17
-    t18 = (2/(L*math.sqrt(d_K)*d_V)) * F
-    t19 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
-    t20 = t18 + t19
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = t20 @ t22
-    t24 = t15 - (A * t15).sum(-1, keepdim=True)
-    t25 = t23 - (A * t23).sum(-1, keepdim=True)
-    t26 = A * t24 * t25
-    t27 = t26 - A * t26.sum(-1, keepdim=True)
-    t28 = A * t24
-    t29 = t28 @ t16
-    t30 = (2/(L*math.sqrt(d_K)*d_V)) * t29
-    t31 = X @ V_W_V
-    t32 = A @ t31
-    t33 = (2/(L*math.sqrt(d_K)*d_V)) * t32
-    t34 = t30 + t33
-    t35 = t34 @ t22
-    t36 = V_W_V.transpose(-1, -2)
-    t37 = t36 @ t0
-    t38 = t20 @ t37
-    t39 = t35 + t38
-    t40 = t39 - (A * t39).sum(-1, keepdim=True)
-    t41 = A * t40
-    t42 = t27 + t41
-    t43 = X @ W_K
-    t44 = t42 @ t43
-    t45 = t0 @ t44
-    t46 = A * t25
-    t47 = X @ V_W_K
-    t48 = t46 @ t47
+    t7 = X @ V_W_Q
+    t8 = t7 @ t3
+    t9 = V_W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t1 @ t10
+    t12 = t8 + t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    t14 = X @ W_V
+    t15 = A @ t14
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*math.sqrt(d_K)*d_V)) * t16
+    t18 = t14.transpose(-1, -2)
+    t19 = t17 @ t18
+    t20 = t13 - (A * t13).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t19 - (A * t19).sum(-1, keepdim=True)
+    t23 = t21 * t22
+    t24 = t23 - A * t23.sum(-1, keepdim=True)
+    t25 = t21 @ t14
+    t26 = X @ V_W_V
+    t27 = A @ t26
+    t28 = t25 + t27
+    t29 = (2/(L*math.sqrt(d_K)*d_V)) * t28
+    t30 = t29 @ t18
+    t31 = t26.transpose(-1, -2)
+    t32 = t17 @ t31
+    t33 = t30 + t32
+    t34 = t33 - (A * t33).sum(-1, keepdim=True)
+    t35 = A * t34
+    t36 = t24 + t35
+    t37 = t3.transpose(-1, -2)
+    t38 = t36 @ t37
+    t39 = A * t22
+    t40 = t10.transpose(-1, -2)
+    t41 = t39 @ t40
+    t42 = t38 + t41
+    t43 = t0 @ t42
+    t44 = t36.transpose(-1, -2)
+    t45 = t44 @ t1
+    t46 = t39.transpose(-1, -2)
+    t47 = t46 @ t7
+    t48 = t45 + t47
     t49 = t0 @ t48
-    t50 = t45 + t49
-    t51 = t27.transpose(-1, -2)
-    t52 = t41.transpose(-1, -2)
-    t53 = t51 + t52
-    t54 = X @ W_Q
+    t50 = t21.transpose(-1, -2)
+    t51 = (2/(L*d_V)) * t16
+    t52 = t50 @ t51
+    t53 = A.transpose(-1, -2)
+    t54 = (2/(L*d_V)) * t28
     t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = t46.transpose(-1, -2)
-    t58 = X @ V_W_Q
-    t59 = t57 @ t58
-    t60 = t0 @ t59
-    t61 = t56 + t60
-    t62 = t28.transpose(-1, -2)
-    t63 = (2/(L*d_V)) * F
-    t64 = (-2/(L*d_V)) * Y
-    t65 = t63 + t64
-    t66 = t62 @ t65
-    t67 = t0 @ t66
-    t68 = A.transpose(-1, -2)
-    t69 = (2/(L*d_V)) * t29
-    t70 = (2/(L*d_V)) * t32
-    t71 = t69 + t70
-    t72 = t68 @ t71
-    t73 = t0 @ t72
-    t74 = t67 + t73
-    return (t50.mean(0), t61.mean(0), t74.mean(0),)
+    t56 = t52 + t55
+    t57 = t0 @ t56
+    return ((t43[0] if n_batch == 1 else t43.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)), (t57[0] if n_batch == 1 else t57.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -2199,46 +2131,43 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t8 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = t18 @ X
-    t22 = t1 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t22, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t18.transpose(-1, -2)
-    t28 = t27 @ X
-    t29 = t1 @ t28
-    t30 = W_Q.transpose(-1, -2)
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t29, t30, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t29, t30, M_2, X, t9, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t30, t1, M_3, X, W_K, t30, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t30, t1, M_3, X, W_K, t30, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t30, M_2, X, t9, M_2, X, W_K, t30, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t30, M_2, X, t9, M_2, X, W_Q, t30, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t30, M_2, X, t9, M_2, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t30, t1, M_3, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t30, M_2, X, M_1, W_V, t30, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t30, M_2, X, M_1, W_V, t30, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t30, M_2, X, G, t30, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = M_1.transpose(-1, -2)
-    t38 = G.transpose(-1, -2)
-    t39 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t37, t8, M_2, X, W_K, t37, t8, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t37, t8, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t37, t8, M_2, X, W_Q, t37, t8, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t37, t8, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t17 @ X
+    t21 = t1 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t21, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t21.transpose(-1, -2)
+    t27 = W_Q.transpose(-1, -2)
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t26, t27, M_2, X, t9, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t1, M_3, X, W_K, t27, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t27, t1, M_3, X, W_K, t27, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t27, M_2, X, t9, M_2, X, W_K, t27, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t27, M_2, X, t9, M_2, X, W_Q, t27, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t27, M_2, X, t9, M_2, X, W_Q, t27, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t27, t1, M_3, X, W_Q, t27, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t27, M_2, X, M_1, W_V, t27, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t27, M_2, X, M_1, W_V, t27, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t27, M_2, X, G, t27, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = M_1.transpose(-1, -2)
+    t35 = G.transpose(-1, -2)
+    t36 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t34, t8, M_2, X, W_K, t34, t8, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t34, t8, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t35, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t34, t8, M_2, X, W_Q, t34, t8, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t34, t8, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t35, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = t34 @ M_1
+    t41 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t40, t40, optimize=[(0, 1)])
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = t37 @ M_1
-    t44 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t43, t43, optimize=[(0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    return (t20, t24, t26, t32, t34, t36, t40, t42, t45,)
+    return (t19, t23, t25, t29, t31, t33, t37, t39, t42,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2272,22 +2201,21 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t14
     t15 = M_1 @ W_V
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t9 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t9 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t1
-    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cdbe,ea->acd', t22, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t24 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2316,16 +2244,15 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t8 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -2360,20 +2287,19 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t9 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t9 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2402,21 +2328,20 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t8 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2441,38 +2366,37 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t3
-    t25 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t26 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t27 = W_V @ t14
-    t28 = (2/(L*d_K*d_V*n_batch)) * t3
-    t29 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdeb,ef,cdfg->agcd', t28, M_2, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t26 = W_V @ t13
+    t27 = (2/(L*d_K*d_V*n_batch)) * t3
+    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2494,30 +2418,29 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t20 = W_V @ t12
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t20, M_2, X, W_Q, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t19 = W_V @ t11
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t17, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t17, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t19, M_2, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2547,14 +2470,13 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdeb->aecd', t14, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2581,13 +2503,12 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2622,20 +2543,19 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t15
     t16 = M_1 @ W_V
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t10 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t23, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2665,16 +2585,15 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t9 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t9 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t10, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -2702,38 +2621,37 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = W_Q.transpose(-1, -2)
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17.transpose(-1, -2)
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t24
-    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t23
+    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t29 = W_V @ t14
-    t30 = (2/(L*d_K*d_V*n_batch)) * t24
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t30, M_2, X, t29, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = W_V @ t13
+    t29 = (2/(L*d_K*d_V*n_batch)) * t23
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2755,32 +2673,31 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1 @ W_V
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = W_Q.transpose(-1, -2)
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = W_V.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = t15.transpose(-1, -2)
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    t19 = W_Q.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t15, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = W_V @ t12
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t22, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t22, M_2, X, W_K, t20, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t21 = W_V @ t11
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t18, t19, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t18, t19, M_2, X, t21, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t19, t0, M_3, X, W_K, t19, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t19, t0, M_3, X, W_K, t19, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t19, M_2, X, t21, M_2, X, W_K, t19, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2815,22 +2732,21 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t15
     t16 = M_1 @ W_V
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t10 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cbd,cde,ef->afcd', t23, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2860,21 +2776,20 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t9 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t9 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t10, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t10, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2907,14 +2822,13 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = oe.contract('ab,cdb,cde->aecd', t18, X, G, optimize=[(0, 1), (0, 1)])
-    t20 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2942,13 +2856,12 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -3027,15 +2940,14 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t18 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -3064,14 +2976,13 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t8, t9, M_2, X, W_K, t15, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t15, M_2, X, W_K, t15, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t8, t9, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -3105,15 +3016,14 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t15 = M_1 @ W_V
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t22 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3142,14 +3052,13 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t8, t9, M_2, X, W_Q, t15, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t15, M_2, X, W_Q, t15, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t8, t9, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -3229,25 +3138,24 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t8 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t8 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t21 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t22 = t10 + t20 + t21
-    t23 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, t24, t25,)
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t20 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t21 = t10 + t19 + t20
+    t22 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, t23, t24,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -3276,27 +3184,26 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t8 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = t19 @ X
-    t21 = t1 @ t20
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t8 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t1 @ t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ia,jfh->', t0, M_2, X, t9, M_2, X, W_Q, t21, optimize=[(0, 6), (1, 5), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lfm,lmkh,lmn,nj->', t0, M_2, X, t9, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 7), (1, 6), (3, 4), (4, 5), (6, 7), (5, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)])
-    t24 = t10 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ia,jfh->', t0, M_2, X, t9, M_2, X, W_Q, t20, optimize=[(0, 6), (1, 5), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lfm,lmkh,lmn,nj->', t0, M_2, X, t9, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 7), (1, 6), (3, 4), (4, 5), (6, 7), (5, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)])
+    t23 = t10 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -3323,17 +3230,16 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t16 = t9 + t14 + t15
-    t17 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t17, t18, t19,)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = t9 + t13 + t14
+    t16 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t17 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return (t16, t17, t18,)
 
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -3363,28 +3269,27 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t9 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t1 @ t22
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t9 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t19.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = t1 @ t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t23, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ha,jfi->', t0, M_2, X, t10, M_2, X, W_K, t23, optimize=[(0, 2), (3, 5), (0, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lkm,lmfn,lmi,nj->', t0, M_2, X, t10, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = t11 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t22, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ha,jfi->', t0, M_2, X, t10, M_2, X, W_K, t22, optimize=[(0, 2), (3, 5), (0, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lkm,lmfn,lmi,nj->', t0, M_2, X, t10, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = t11 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
 
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -3414,25 +3319,24 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t9 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t9 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t22 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t10, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t23 = t11 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t21 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t10, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t22 = t11 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -3460,17 +3364,16 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t16 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)])
-    t17 = t10 + t15 + t16
-    t18 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, t19, t20,)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t15 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t16 = t10 + t14 + t15
+    t17 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, t18, t19,)
 
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -3499,18 +3402,17 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t16, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t8, t9, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t19 = t11 + t17 + t18
-    t20 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, t21, t22,)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t15, M_2, X, W_K, t15, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t8, t9, M_2, X, W_K, t15, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t18 = t11 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -3539,18 +3441,17 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t16, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t8, t9, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t19 = t11 + t17 + t18
-    t20 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, t21, t22,)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t15, M_2, X, W_Q, t15, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t8, t9, M_2, X, W_Q, t15, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t18 = t11 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -3744,13 +3645,12 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = X @ W_V
     t10 = A @ t9
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = t12 * t12
-    t14 = t13.sum(-1, keepdim=True)
-    t15 = t14.sum(-2, keepdim=True)
-    t16 = (1/(L*d_V)) * t15
-    return t16.mean(0)[0, 0]
+    t11 = t10 - Y
+    t12 = t11 * t11
+    t13 = t12.sum(-1, keepdim=True)
+    t14 = t13.sum(-2, keepdim=True)
+    t15 = (1/(L*d_V)) * t14
+    return (t15[0] if n_batch == 1 else t15.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -3760,10 +3660,10 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
@@ -3772,28 +3672,25 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = A @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = X @ W_K
-    t20 = t18 @ t19
-    t21 = t0 @ t20
-    t22 = (1/math.sqrt(d_K)) * t21
-    t23 = t18.transpose(-1, -2)
-    t24 = X @ W_Q
-    t25 = t23 @ t24
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t9.transpose(-1, -2)
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t0 @ t16
+    t18 = t3.transpose(-1, -2)
+    t19 = t17 @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = t16.transpose(-1, -2)
+    t22 = t0 @ t21
+    t23 = t22 @ t1
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = A.transpose(-1, -2)
     t26 = t0 @ t25
-    t27 = (1/math.sqrt(d_K)) * t26
-    t28 = A.transpose(-1, -2)
-    t29 = t28 @ G
-    t30 = t0 @ t29
-    return (t22.mean(0), t27.mean(0), t30.mean(0),)
+    t27 = t26 @ G
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -3879,51 +3776,45 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
+    t9 = V_W_Q @ t3
     t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    t12 = V_W_K.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    t17 = t11 + t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = X @ W_V
-    t21 = t19 @ t20
-    t22 = (2/(L*d_V)) * t21
-    t23 = X @ V_W_V
-    t24 = A @ t23
-    t25 = (2/(L*d_V)) * t24
-    t26 = t22 + t25
-    t27 = W_V.transpose(-1, -2)
-    t28 = t27 @ t0
-    t29 = t26 @ t28
-    t30 = t29 - (A * t29).sum(-1, keepdim=True)
-    t31 = A * t30
-    t32 = X @ W_K
-    t33 = t31 @ t32
-    t34 = t0 @ t33
+    t11 = V_W_K.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = t1 @ t12
+    t14 = t10 + t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    t20 = A @ X
+    t21 = t20 @ V_W_V
+    t22 = t19 + t21
+    t23 = (2/(L*d_V)) * t22
+    t24 = t18.transpose(-1, -2)
+    t25 = t23 @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    t28 = t0 @ t27
+    t29 = t3.transpose(-1, -2)
+    t30 = t28 @ t29
+    t31 = (1/math.sqrt(d_K)) * t30
+    t32 = t27.transpose(-1, -2)
+    t33 = t0 @ t32
+    t34 = t33 @ t1
     t35 = (1/math.sqrt(d_K)) * t34
-    t36 = t31.transpose(-1, -2)
-    t37 = X @ W_Q
-    t38 = t36 @ t37
-    t39 = t0 @ t38
-    t40 = (1/math.sqrt(d_K)) * t39
-    t41 = A.transpose(-1, -2)
-    t42 = t41 @ t26
-    t43 = t0 @ t42
-    return (t35.mean(0), t40.mean(0), t43.mean(0),)
+    t36 = t20.transpose(-1, -2)
+    t37 = t36 @ t23
+    return ((t31[0] if n_batch == 1 else t31.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -4708,82 +4599,79 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t3
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t3
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t20 @ X
-    t27 = t3 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t25 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
-    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t19 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t35 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t36 = oe.contract('ab,cdeb->aecd', t34, M_2, optimize=[(0, 1)])
-    t33[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t37[...] = 0
-    t38 = t37.view((d_V, d_K, d_V, d_K))
-    t39 = t38.diagonal(0, 1, 3)
-    t40 = t20.transpose(-1, -2)
-    t41 = t40 @ X
-    t42 = t3 @ t41
-    t39 += oe.contract('abc,d->bcd', t42, t29, optimize=[(0, 1)])
-    t43 = W_Q.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t50 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52 = t51.view((d_V, d_K, d_V, d_V))
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t54 = oe.contract('ab,cdb,cde->aecd', t53, X, G, optimize=[(0, 1), (0, 1)])
-    t55 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t57 = t56.view((d_V, d_V, d_V, d_K))
-    t58 = G.transpose(-1, -2)
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t60 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t61 = oe.contract('abc,acd->bdac', t59, X, optimize=[(0, 1)])
-    t57[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t63 = t62.view((d_V, d_V, d_V, d_K))
-    t64 = oe.contract('abc,acd,de->beac', t59, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t65 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66[...] = 0
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cdeb->aecd', t33, M_2, optimize=[(0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36[...] = 0
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t38 = t37.diagonal(0, 1, 3)
+    t39 = t26.transpose(-1, -2)
+    t38 += oe.contract('abc,d->bcd', t39, t28, optimize=[(0, 1)])
+    t40 = W_Q.transpose(-1, -2)
+    t41 = (1/(d_K*n_batch)) * t40
+    t42 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cbd,cde->aecd', t41, t3, X, optimize=[(0, 1), (0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = oe.contract('ab,cbd,cde,ef->afcd', t41, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49 = t48.view((d_V, d_K, d_V, d_V))
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t51 = oe.contract('ab,cdb,cde->aecd', t50, X, G, optimize=[(0, 1), (0, 1)])
+    t52 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t54 = t53.view((d_V, d_V, d_V, d_K))
+    t55 = G.transpose(-1, -2)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t57 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
+    t54[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_V, d_V, d_K))
+    t61 = oe.contract('abc,acd,de->beac', t56, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t62 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63[...] = 0
     return H
 
 
@@ -4794,72 +4682,60 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    t12 = V_W_K.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    t17 = t11 + t16
-    t18 = X @ W_V
-    t19 = A @ t18
-    F = t19
-    t20 = (2/(L*d_V)) * F
-    t21 = (-2/(L*d_V)) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = W_V.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = G @ t24
-    t26 = t17 - (A * t17).sum(-1, keepdim=True)
-    t27 = t25 - (A * t25).sum(-1, keepdim=True)
-    t28 = A * t26 * t27
-    t29 = t28 - A * t28.sum(-1, keepdim=True)
-    t30 = V_W_V.transpose(-1, -2)
-    t31 = t30 @ t0
-    t32 = G @ t31
-    t33 = t32 - (A * t32).sum(-1, keepdim=True)
-    t34 = A * t33
-    t35 = t29 + t34
-    t36 = X @ W_K
+    t9 = X @ V_W_Q
+    t10 = t9 @ t3
+    t11 = V_W_K.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = t1 @ t12
+    t14 = t10 + t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = X @ W_V
+    t17 = A @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t16.transpose(-1, -2)
+    t21 = G @ t20
+    t22 = t15 - (A * t15).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t21 - (A * t21).sum(-1, keepdim=True)
+    t25 = t23 * t24
+    t26 = t25 - A * t25.sum(-1, keepdim=True)
+    t27 = V_W_V.transpose(-1, -2)
+    t28 = t27 @ t0
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    t32 = t26 + t31
+    t33 = t3.transpose(-1, -2)
+    t34 = t32 @ t33
+    t35 = A * t24
+    t36 = t12.transpose(-1, -2)
     t37 = t35 @ t36
-    t38 = t0 @ t37
+    t38 = t34 + t37
     t39 = (1/math.sqrt(d_K)) * t38
-    t40 = A * t27
-    t41 = X @ V_W_K
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = t39 + t44
-    t46 = t29.transpose(-1, -2)
-    t47 = t34.transpose(-1, -2)
-    t48 = t46 + t47
-    t49 = X @ W_Q
-    t50 = t48 @ t49
-    t51 = t0 @ t50
-    t52 = (1/math.sqrt(d_K)) * t51
-    t53 = t40.transpose(-1, -2)
-    t54 = X @ V_W_Q
-    t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = (1/math.sqrt(d_K)) * t56
-    t58 = t52 + t57
-    t59 = A * t26
-    t60 = t59.transpose(-1, -2)
-    t61 = t60 @ G
-    t62 = t0 @ t61
-    return (t45.mean(0), t58.mean(0), t62.mean(0),)
+    t40 = t0 @ t39
+    t41 = t32.transpose(-1, -2)
+    t42 = t41 @ t1
+    t43 = t35.transpose(-1, -2)
+    t44 = t43 @ t9
+    t45 = t42 + t44
+    t46 = (1/math.sqrt(d_K)) * t45
+    t47 = t0 @ t46
+    t48 = t23.transpose(-1, -2)
+    t49 = t48 @ G
+    t50 = t0 @ t49
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t47[0] if n_batch == 1 else t47.mean(0)), (t50[0] if n_batch == 1 else t50.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -4882,48 +4758,45 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = t18 @ X
-    t23 = t1 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = t17 @ X
+    t22 = t1 @ t21
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t18.transpose(-1, -2)
-    t29 = t28 @ X
-    t30 = t1 @ t29
-    t31 = W_Q.transpose(-1, -2)
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t22.transpose(-1, -2)
+    t28 = W_Q.transpose(-1, -2)
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t27, t28, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t28, t1, M_3, X, W_K, t28, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t28, t1, M_3, X, W_Q, t28, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t28, M_2, X, G, t28, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = G.transpose(-1, -2)
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t35, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = G.transpose(-1, -2)
-    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    return (t21, t25, t27, t33, t35, t37, t40, t42, 0.0,)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t35, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (t20, t24, t26, t30, t32, t34, t37, t39, 0.0,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4948,24 +4821,23 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t22 = oe.contract('ab,cdbe,ea->acd', t21, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t23 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4989,18 +4861,17 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -5028,22 +4899,21 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5067,23 +4937,22 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -5110,29 +4979,28 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t3
-    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5156,25 +5024,24 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t19, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -5204,14 +5071,13 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5240,13 +5106,12 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -5272,22 +5137,21 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -5312,18 +5176,17 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -5353,31 +5216,30 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t19.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = t2 @ t21
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
+    t25 = W_Q.transpose(-1, -2)
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t26
-    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t27 = (1/(d_K*n_batch)) * t25
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -5401,27 +5263,26 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = W_Q.transpose(-1, -2)
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17.transpose(-1, -2)
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    t21 = W_Q.transpose(-1, -2)
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t20, t21, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t21, t0, M_3, X, W_K, t21, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -5447,24 +5308,23 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K*n_batch)) * t1
-    t23 = oe.contract('ab,cbd,cde,ef->afcd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5489,23 +5349,22 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -5536,14 +5395,13 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
-    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5573,13 +5431,12 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -5624,20 +5481,19 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t18 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5661,19 +5517,18 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t13, M_2, X, W_K, t13, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -5698,20 +5553,19 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t18 = oe.contract('abc,acd,de->beac', t17, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5735,19 +5589,18 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t13, M_2, X, W_Q, t13, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -5802,102 +5655,99 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     M_1 = t15
     t16 = M_1 @ W_V
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t12 @ t3
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t12 @ t3
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t23 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t37[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t38, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t41 = oe.contract('ab,cdeb->aecd', t39, M_2, optimize=[(0, 1)])
-    t37 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42[...] = 0
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = t43.diagonal(0, 1, 3)
-    t45 = t23.transpose(-1, -2)
-    t46 = t45 @ X
-    t47 = t3 @ t46
-    t44 += oe.contract('abc,d->bcd', t47, t31, optimize=[(0, 1)])
-    t48 = W_Q.transpose(-1, -2)
-    t49 = (1/(d_K*n_batch)) * t48
-    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
-    t43 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = (2/(L*d_K*d_V*n_batch)) * t48
-    t43 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t52, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = t53.view((d_V, d_K, d_V, d_K))
-    t55 = oe.contract('ab,cdb,cde,ef->afcd', t52, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t56 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t58 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t54 += oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t60 = t59.view((d_V, d_K, d_V, d_V))
-    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t48
-    t62 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t63 = oe.contract('ab,cdb,cde->aecd', t61, X, M_1, optimize=[(0, 1), (0, 1)])
-    t60[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t65 = oe.contract('ab,cdb,cde->aecd', t64, X, G, optimize=[(0, 1), (0, 1)])
-    t66 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t60 += oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t68 = t67.view((d_V, d_V, d_V, d_K))
-    t69 = M_1.transpose(-1, -2)
-    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
-    t68[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t70, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t71 = G.transpose(-1, -2)
-    t72 = (1/(math.sqrt(d_K)*n_batch)) * t71
-    t73 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t74 = oe.contract('abc,acd->bdac', t72, X, optimize=[(0, 1)])
-    t68 += oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
-    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t76 = t75.view((d_V, d_V, d_V, d_K))
-    t77 = oe.contract('abc,acd,de->beac', t70, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t78 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t76[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
-    t79 = oe.contract('abc,acd,de->beac', t72, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t80 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t76 += oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t81[...] = 0
-    t82 = t81.view((d_V, d_V, d_V, d_V))
-    t83 = t82.diagonal(0, 1, 3)
-    t84 = t69 @ M_1
-    t85 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t86 = (2/(L*d_V*n_batch)) * t85
-    t83 += oe.contract('abc,d->bcd', t84, t86, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24[...] = 0
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = t25.diagonal(0, 1, 3)
+    t27 = t22 @ X
+    t28 = t3 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t26 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t25 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t36[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t37, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
+    t36 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = t28.transpose(-1, -2)
+    t43 += oe.contract('abc,d->bcd', t44, t30, optimize=[(0, 1)])
+    t45 = W_Q.transpose(-1, -2)
+    t46 = (1/(d_K*n_batch)) * t45
+    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = (2/(L*d_K*d_V*n_batch)) * t45
+    t42 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t49, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = oe.contract('ab,cdb,cde,ef->afcd', t49, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t51 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_K, d_V, d_V))
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t59 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t60 = oe.contract('ab,cdb,cde->aecd', t58, X, M_1, optimize=[(0, 1), (0, 1)])
+    t57[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t62 = oe.contract('ab,cdb,cde->aecd', t61, X, G, optimize=[(0, 1), (0, 1)])
+    t63 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t57 += oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t65 = t64.view((d_V, d_V, d_V, d_K))
+    t66 = M_1.transpose(-1, -2)
+    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
+    t65[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t67, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t68 = G.transpose(-1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t73 = t72.view((d_V, d_V, d_V, d_K))
+    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t73[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t73 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t78[...] = 0
+    t79 = t78.view((d_V, d_V, d_V, d_V))
+    t80 = t79.diagonal(0, 1, 3)
+    t81 = t66 @ M_1
+    t82 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t83 = (2/(L*d_V*n_batch)) * t82
+    t80 += oe.contract('abc,d->bcd', t81, t83, optimize=[(0, 1)])
     return H
 
 
@@ -5908,85 +5758,68 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    t12 = V_W_K.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    t17 = t11 + t16
-    t18 = X @ W_V
-    t19 = A @ t18
-    F = t19
-    t20 = (2/(L*math.sqrt(d_K)*d_V)) * F
-    t21 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
-    t22 = t20 + t21
-    t23 = W_V.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = t22 @ t24
-    t26 = t17 - (A * t17).sum(-1, keepdim=True)
-    t27 = t25 - (A * t25).sum(-1, keepdim=True)
-    t28 = A * t26 * t27
-    t29 = t28 - A * t28.sum(-1, keepdim=True)
-    t30 = A * t26
-    t31 = t30 @ t18
-    t32 = (2/(L*math.sqrt(d_K)*d_V)) * t31
-    t33 = X @ V_W_V
-    t34 = A @ t33
-    t35 = (2/(L*math.sqrt(d_K)*d_V)) * t34
-    t36 = t32 + t35
-    t37 = t36 @ t24
-    t38 = V_W_V.transpose(-1, -2)
-    t39 = t38 @ t0
-    t40 = t22 @ t39
-    t41 = t37 + t40
-    t42 = t41 - (A * t41).sum(-1, keepdim=True)
-    t43 = A * t42
-    t44 = t29 + t43
-    t45 = X @ W_K
-    t46 = t44 @ t45
-    t47 = t0 @ t46
-    t48 = A * t27
-    t49 = X @ V_W_K
-    t50 = t48 @ t49
+    t9 = X @ V_W_Q
+    t10 = t9 @ t3
+    t11 = V_W_K.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = t1 @ t12
+    t14 = t10 + t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = X @ W_V
+    t17 = A @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*math.sqrt(d_K)*d_V)) * t18
+    t20 = t16.transpose(-1, -2)
+    t21 = t19 @ t20
+    t22 = t15 - (A * t15).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t21 - (A * t21).sum(-1, keepdim=True)
+    t25 = t23 * t24
+    t26 = t25 - A * t25.sum(-1, keepdim=True)
+    t27 = t23 @ t16
+    t28 = X @ V_W_V
+    t29 = A @ t28
+    t30 = t27 + t29
+    t31 = (2/(L*math.sqrt(d_K)*d_V)) * t30
+    t32 = t31 @ t20
+    t33 = t28.transpose(-1, -2)
+    t34 = t19 @ t33
+    t35 = t32 + t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
+    t38 = t26 + t37
+    t39 = t3.transpose(-1, -2)
+    t40 = t38 @ t39
+    t41 = A * t24
+    t42 = t12.transpose(-1, -2)
+    t43 = t41 @ t42
+    t44 = t40 + t43
+    t45 = t0 @ t44
+    t46 = t38.transpose(-1, -2)
+    t47 = t46 @ t1
+    t48 = t41.transpose(-1, -2)
+    t49 = t48 @ t9
+    t50 = t47 + t49
     t51 = t0 @ t50
-    t52 = t47 + t51
-    t53 = t29.transpose(-1, -2)
-    t54 = t43.transpose(-1, -2)
-    t55 = t53 + t54
-    t56 = X @ W_Q
+    t52 = t23.transpose(-1, -2)
+    t53 = (2/(L*d_V)) * t18
+    t54 = t52 @ t53
+    t55 = A.transpose(-1, -2)
+    t56 = (2/(L*d_V)) * t30
     t57 = t55 @ t56
-    t58 = t0 @ t57
-    t59 = t48.transpose(-1, -2)
-    t60 = X @ V_W_Q
-    t61 = t59 @ t60
-    t62 = t0 @ t61
-    t63 = t58 + t62
-    t64 = t30.transpose(-1, -2)
-    t65 = (2/(L*d_V)) * F
-    t66 = (-2/(L*d_V)) * Y
-    t67 = t65 + t66
-    t68 = t64 @ t67
-    t69 = t0 @ t68
-    t70 = A.transpose(-1, -2)
-    t71 = (2/(L*d_V)) * t31
-    t72 = (2/(L*d_V)) * t34
-    t73 = t71 + t72
-    t74 = t70 @ t73
-    t75 = t0 @ t74
-    t76 = t69 + t75
-    return (t52.mean(0), t63.mean(0), t76.mean(0),)
+    t58 = t54 + t57
+    t59 = t0 @ t58
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t51[0] if n_batch == 1 else t51.mean(0)), (t59[0] if n_batch == 1 else t59.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -6016,46 +5849,43 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t10 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t10 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = t20 @ X
-    t24 = t1 @ t23
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t24, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t24, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = t20.transpose(-1, -2)
-    t30 = t29 @ X
-    t31 = t1 @ t30
-    t32 = W_Q.transpose(-1, -2)
-    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t31, t32, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t31, t32, M_2, X, t11, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t32, t1, M_3, X, W_K, t32, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t32, t1, M_3, X, W_K, t32, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t32, M_2, X, t11, M_2, X, W_K, t32, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t32, M_2, X, t11, M_2, X, W_Q, t32, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t32, M_2, X, t11, M_2, X, W_Q, t32, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t32, t1, M_3, X, W_Q, t32, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t32, M_2, X, M_1, W_V, t32, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t32, M_2, X, M_1, W_V, t32, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t32, M_2, X, G, t32, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = M_1.transpose(-1, -2)
-    t40 = G.transpose(-1, -2)
-    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t39, t10, M_2, X, W_K, t39, t10, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t39, t10, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t39, t10, M_2, X, W_Q, t39, t10, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t39, t10, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = t19 @ X
+    t23 = t1 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t23, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t23.transpose(-1, -2)
+    t29 = W_Q.transpose(-1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t28, t29, M_2, X, t11, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t29, t1, M_3, X, W_K, t29, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t29, M_2, X, t11, M_2, X, W_K, t29, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t29, M_2, X, t11, M_2, X, W_Q, t29, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t29, M_2, X, t11, M_2, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t29, M_2, X, M_1, W_V, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t29, M_2, X, M_1, W_V, t29, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = M_1.transpose(-1, -2)
+    t37 = G.transpose(-1, -2)
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t36, t10, M_2, X, W_K, t36, t10, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t36, t10, M_2, X, W_K, t37, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t37, M_2, X, W_K, t37, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t36, t10, M_2, X, W_Q, t36, t10, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t36, t10, M_2, X, W_Q, t37, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t37, M_2, X, W_Q, t37, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = t36 @ M_1
+    t43 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t42, t42, optimize=[(0, 1)])
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = t39 @ M_1
-    t46 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t45, t45, optimize=[(0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    return (t22, t26, t28, t34, t36, t38, t42, t44, t47,)
+    return (t21, t25, t27, t31, t33, t35, t39, t41, t44,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -6091,22 +5921,21 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t16
     t17 = M_1 @ W_V
     F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t11 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t11 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cdbe,ea->acd', t24, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t26 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -6137,16 +5966,15 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t10 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t10 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -6183,20 +6011,19 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t14
     t15 = M_1 @ W_V
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t11 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t11 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6227,21 +6054,20 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t10 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t10 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t20 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6268,38 +6094,37 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t3
-    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t29 = W_V @ t16
-    t30 = (2/(L*d_K*d_V*n_batch)) * t3
-    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t30, M_2, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t28 = W_V @ t15
+    t29 = (2/(L*d_K*d_V*n_batch)) * t3
+    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -6323,30 +6148,29 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t22, M_2, X, W_Q, t1, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t21 = W_V @ t13
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t19, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t19, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t21, M_2, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6378,14 +6202,13 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t19 = oe.contract('ab,cdeb->aecd', t17, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6414,13 +6237,12 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6457,20 +6279,19 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t17
     t18 = M_1 @ W_V
     F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t12 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t12 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t25, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -6502,16 +6323,15 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t13
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t11 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t12, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -6541,38 +6361,37 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t19.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = t2 @ t21
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
+    t25 = W_Q.transpose(-1, -2)
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t26
-    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t27 = (1/(d_K*n_batch)) * t25
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = W_V @ t16
-    t32 = (2/(L*d_K*d_V*n_batch)) * t26
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t31, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = W_V @ t15
+    t31 = (2/(L*d_K*d_V*n_batch)) * t25
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t31, M_2, X, t30, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6596,32 +6415,31 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = W_Q.transpose(-1, -2)
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = t17.transpose(-1, -2)
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    t21 = W_Q.transpose(-1, -2)
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t24 = W_V @ t14
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t24, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t24, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t24, M_2, X, W_K, t22, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t23 = W_V @ t13
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t20, t21, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t20, t21, M_2, X, t23, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t21, t0, M_3, X, W_K, t21, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t21, t0, M_3, X, W_K, t21, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t21, M_2, X, t23, M_2, X, W_K, t21, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6658,22 +6476,21 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t17
     t18 = M_1 @ W_V
     F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t12 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t12 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cbd,cde,ef->afcd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -6705,21 +6522,20 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_1 = t13
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t11 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t12, M_2, X, W_Q, t0, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t12, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t12, M_2, X, W_Q, t0, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t12, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6754,14 +6570,13 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t16 = M_1 @ W_V
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
-    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6791,13 +6606,12 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6882,15 +6696,14 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     t15 = M_1 @ W_V
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6921,14 +6734,13 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t10, t11, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t10, t11, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t16, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6964,15 +6776,14 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t17 = M_1 @ W_V
     F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t24 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -7003,14 +6814,13 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t10, t11, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t10, t11, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t16, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -7096,25 +6906,24 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     M_1 = t13
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t10 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t10 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t23 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t24 = t12 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t23 = t12 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -7145,27 +6954,26 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     M_1 = t13
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t10 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = t21 @ X
-    t23 = t1 @ t22
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t10 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t1 @ t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ia,jfh->', t0, M_2, X, t11, M_2, X, W_Q, t23, optimize=[(0, 6), (1, 5), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lfm,lmkh,lmn,nj->', t0, M_2, X, t11, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 7), (1, 6), (3, 4), (4, 5), (6, 7), (5, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)])
-    t26 = t12 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ia,jfh->', t0, M_2, X, t11, M_2, X, W_Q, t22, optimize=[(0, 6), (1, 5), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lfm,lmkh,lmn,nj->', t0, M_2, X, t11, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 7), (1, 6), (3, 4), (4, 5), (6, 7), (5, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)])
+    t25 = t12 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -7194,17 +7002,16 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
     t12 = M_1 @ W_V
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t18 = t11 + t16 + t17
-    t19 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, t20, t21,)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t16 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t17 = t11 + t15 + t16
+    t18 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, t19, t20,)
 
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -7236,28 +7043,27 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     M_1 = t14
     t15 = M_1 @ W_V
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t11 @ t1
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t1 @ t24
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t11 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21.transpose(-1, -2)
+    t23 = t22 @ X
+    t24 = t1 @ t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t27 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ha,jfi->', t0, M_2, X, t12, M_2, X, W_K, t25, optimize=[(0, 2), (3, 5), (0, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lkm,lmfn,lmi,nj->', t0, M_2, X, t12, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t28 = t13 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ha,jfi->', t0, M_2, X, t12, M_2, X, W_K, t24, optimize=[(0, 2), (3, 5), (0, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lkm,lmfn,lmi,nj->', t0, M_2, X, t12, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = t13 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
 
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -7289,25 +7095,24 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     M_1 = t14
     t15 = M_1 @ W_V
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t11 @ t1
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t11 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t24 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t12, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t25 = t13 + t23 + t24
-    t26 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t26, t27, t28,)
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t23 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t12, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t24 = t13 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
 
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -7337,17 +7142,16 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
     t13 = M_1 @ W_V
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)])
-    t19 = t12 + t17 + t18
-    t20 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, t21, t22,)
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t18 = t12 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -7378,18 +7182,17 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t18, M_2, X, W_K, t18, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t10, t11, M_2, X, W_K, t18, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t21 = t13 + t19 + t20
-    t22 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, t23, t24,)
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t10, t11, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t20 = t13 + t18 + t19
+    t21 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t21, t22, t23,)
 
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -7420,18 +7223,17 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
     t14 = M_1 @ W_V
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t18, M_2, X, W_Q, t18, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t10, t11, M_2, X, W_Q, t18, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t21 = t13 + t19 + t20
-    t22 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, t23, t24,)
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t10, t11, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = t13 + t18 + t19
+    t21 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t21, t22, t23,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -7643,7 +7445,7 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     t12 = t11.sum(-1, keepdim=True)
     t13 = t12.sum(-2, keepdim=True)
     t14 = (-1/L) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -7653,10 +7455,10 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
@@ -7668,28 +7470,25 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = X @ W_K
-    t23 = t21 @ t22
-    t24 = t0 @ t23
-    t25 = (1/math.sqrt(d_K)) * t24
-    t26 = t21.transpose(-1, -2)
-    t27 = X @ W_Q
-    t28 = t26 @ t27
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = t9.transpose(-1, -2)
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t0 @ t19
+    t21 = t3.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = t19.transpose(-1, -2)
+    t25 = t0 @ t24
+    t26 = t25 @ t1
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = A.transpose(-1, -2)
     t29 = t0 @ t28
-    t30 = (1/math.sqrt(d_K)) * t29
-    t31 = A.transpose(-1, -2)
-    t32 = t31 @ G
-    t33 = t0 @ t32
-    return (t25.mean(0), t30.mean(0), t33.mean(0),)
+    t30 = t29 @ G
+    return ((t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -7776,10 +7575,10 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
@@ -7789,43 +7588,38 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = A @ t9
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = V_W_Q @ t2
+    t13 = V_W_Q @ t3
     t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    t16 = V_W_K.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = W_Q @ t17
-    t19 = X @ t18
-    t20 = (1/math.sqrt(d_K)) * t19
-    t21 = t15 + t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23 @ t9
-    t25 = X @ V_W_V
-    t26 = A @ t25
-    t27 = t24 + t26
-    t28 = t27 - (A12 * t27).sum(-1, keepdim=True)
-    t29 = A12 * t28
-    t30 = t8 * t29
-    t31 = W_V.transpose(-1, -2)
-    t32 = t31 @ t0
-    t33 = t30 @ t32
-    t34 = t33 - (A * t33).sum(-1, keepdim=True)
-    t35 = A * t34
-    t36 = X @ W_K
-    t37 = t35 @ t36
+    t15 = V_W_K.transpose(-1, -2)
+    t16 = t15 @ t0
+    t17 = t1 @ t16
+    t18 = t14 + t17
+    t19 = (1/math.sqrt(d_K)) * t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21 @ t9
+    t23 = A @ X
+    t24 = t23 @ V_W_V
+    t25 = t22 + t24
+    t26 = t25 - (A12 * t25).sum(-1, keepdim=True)
+    t27 = A12 * t26
+    t28 = t8 * t27
+    t29 = t9.transpose(-1, -2)
+    t30 = t28 @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
+    t33 = t0 @ t32
+    t34 = t3.transpose(-1, -2)
+    t35 = t33 @ t34
+    t36 = (1/(L*math.sqrt(d_K))) * t35
+    t37 = t32.transpose(-1, -2)
     t38 = t0 @ t37
-    t39 = (1/(L*math.sqrt(d_K))) * t38
-    t40 = t35.transpose(-1, -2)
-    t41 = X @ W_Q
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = (1/(L*math.sqrt(d_K))) * t43
-    t45 = A.transpose(-1, -2)
-    t46 = t45 @ t30
-    t47 = t0 @ t46
-    t48 = (1/L) * t47
-    return (t39.mean(0), t44.mean(0), t48.mean(0),)
+    t39 = t38 @ t1
+    t40 = (1/(L*math.sqrt(d_K))) * t39
+    t41 = t23.transpose(-1, -2)
+    t42 = t41 @ t28
+    t43 = (1/L) * t42
+    return ((t36[0] if n_batch == 1 else t36.mean(0)), (t40[0] if n_batch == 1 else t40.mean(0)), (t43[0] if n_batch == 1 else t43.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -8767,82 +8561,79 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t3
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t3
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t23 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t28 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t34 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t27 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t22 @ X
+    t29 = t3 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
-    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t40[...] = 0
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t42 = t41.diagonal(0, 1, 3)
-    t43 = t23.transpose(-1, -2)
-    t44 = t43 @ X
-    t45 = t3 @ t44
-    t42 += oe.contract('abc,d->bcd', t45, t32, optimize=[(0, 1)])
-    t46 = W_Q.transpose(-1, -2)
-    t47 = (1/(d_K*n_batch)) * t46
-    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
-    t41 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = t54.view((d_V, d_K, d_V, d_V))
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t57 = oe.contract('ab,cdb,cde->aecd', t56, X, G, optimize=[(0, 1), (0, 1)])
-    t58 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t60 = t59.view((d_V, d_V, d_V, d_K))
-    t61 = G.transpose(-1, -2)
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t64 = oe.contract('abc,acd->bdac', t62, X, optimize=[(0, 1)])
-    t60[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t66 = t65.view((d_V, d_V, d_V, d_K))
-    t67 = oe.contract('abc,acd,de->beac', t62, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t68 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t66[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69[...] = 0
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = t29.transpose(-1, -2)
+    t41 += oe.contract('abc,d->bcd', t42, t31, optimize=[(0, 1)])
+    t43 = W_Q.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch)) * t43
+    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t50 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52 = t51.view((d_V, d_K, d_V, d_V))
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t54 = oe.contract('ab,cdb,cde->aecd', t53, X, G, optimize=[(0, 1), (0, 1)])
+    t55 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t57 = t56.view((d_V, d_V, d_V, d_K))
+    t58 = G.transpose(-1, -2)
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t60 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t61 = oe.contract('abc,acd->bdac', t59, X, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t63 = t62.view((d_V, d_V, d_V, d_K))
+    t64 = oe.contract('abc,acd,de->beac', t59, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t65 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66[...] = 0
     return H
 
 
@@ -8853,75 +8644,63 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = V_W_K.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = t9 + t14
-    t16 = Y.sum(-1, keepdim=True)
-    t17 = t16.expand(*t16.shape[:-1], d_V)
-    t18 = X @ W_V
-    t19 = A @ t18
-    F = t19
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t17 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = W_V.transpose(-1, -2)
-    t27 = t26 @ t0
-    t28 = G @ t27
-    t29 = t15 - (A * t15).sum(-1, keepdim=True)
-    t30 = t28 - (A * t28).sum(-1, keepdim=True)
-    t31 = A * t29 * t30
-    t32 = t31 - A * t31.sum(-1, keepdim=True)
-    t33 = V_W_V.transpose(-1, -2)
-    t34 = t33 @ t0
-    t35 = G @ t34
-    t36 = t35 - (A * t35).sum(-1, keepdim=True)
-    t37 = A * t36
-    t38 = t32 + t37
-    t39 = X @ W_K
+    t7 = X @ V_W_Q
+    t8 = t7 @ t3
+    t9 = V_W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t1 @ t10
+    t12 = t8 + t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    t14 = Y.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = X @ W_V
+    t17 = A @ t16
+    F = t17
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t15 * A19
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t16.transpose(-1, -2)
+    t24 = G @ t23
+    t25 = t13 - (A * t13).sum(-1, keepdim=True)
+    t26 = A * t25
+    t27 = t24 - (A * t24).sum(-1, keepdim=True)
+    t28 = t26 * t27
+    t29 = t28 - A * t28.sum(-1, keepdim=True)
+    t30 = V_W_V.transpose(-1, -2)
+    t31 = t30 @ t0
+    t32 = G @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    t34 = A * t33
+    t35 = t29 + t34
+    t36 = t3.transpose(-1, -2)
+    t37 = t35 @ t36
+    t38 = A * t27
+    t39 = t10.transpose(-1, -2)
     t40 = t38 @ t39
-    t41 = t0 @ t40
+    t41 = t37 + t40
     t42 = (1/math.sqrt(d_K)) * t41
-    t43 = A * t30
-    t44 = X @ V_W_K
-    t45 = t43 @ t44
-    t46 = t0 @ t45
-    t47 = (1/math.sqrt(d_K)) * t46
-    t48 = t42 + t47
-    t49 = t32.transpose(-1, -2)
-    t50 = t37.transpose(-1, -2)
-    t51 = t49 + t50
-    t52 = X @ W_Q
-    t53 = t51 @ t52
-    t54 = t0 @ t53
-    t55 = (1/math.sqrt(d_K)) * t54
-    t56 = t43.transpose(-1, -2)
-    t57 = X @ V_W_Q
-    t58 = t56 @ t57
-    t59 = t0 @ t58
-    t60 = (1/math.sqrt(d_K)) * t59
-    t61 = t55 + t60
-    t62 = A * t29
-    t63 = t62.transpose(-1, -2)
-    t64 = t63 @ G
-    t65 = t0 @ t64
-    return (t48.mean(0), t61.mean(0), t65.mean(0),)
+    t43 = t0 @ t42
+    t44 = t35.transpose(-1, -2)
+    t45 = t44 @ t1
+    t46 = t38.transpose(-1, -2)
+    t47 = t46 @ t7
+    t48 = t45 + t47
+    t49 = (1/math.sqrt(d_K)) * t48
+    t50 = t0 @ t49
+    t51 = t26.transpose(-1, -2)
+    t52 = t51 @ G
+    t53 = t0 @ t52
+    return ((t43[0] if n_batch == 1 else t43.mean(0)), (t50[0] if n_batch == 1 else t50.mean(0)), (t53[0] if n_batch == 1 else t53.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -8947,48 +8726,45 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t21 @ X
-    t26 = t1 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t26, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = t20 @ X
+    t25 = t1 @ t24
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t21.transpose(-1, -2)
-    t32 = t31 @ X
-    t33 = t1 @ t32
-    t34 = W_Q.transpose(-1, -2)
-    t35 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t33, t34, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t34, t1, M_3, X, W_K, t34, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t34, t1, M_3, X, W_Q, t34, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t34, M_2, X, G, t34, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = t25.transpose(-1, -2)
+    t31 = W_Q.transpose(-1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = G.transpose(-1, -2)
+    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
     t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = G.transpose(-1, -2)
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t41, M_2, X, W_K, t41, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t41, M_2, X, W_Q, t41, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    return (t24, t28, t30, t36, t38, t40, t43, t45, 0.0,)
+    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    return (t23, t27, t29, t33, t35, t37, t40, t42, 0.0,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -9016,24 +8792,23 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t25 = oe.contract('ab,cdbe,ea->acd', t24, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t26 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9060,18 +8835,17 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -9102,22 +8876,21 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9144,23 +8917,22 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9190,29 +8962,28 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22 @ X
+    t24 = t2 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch)) * t3
-    t30 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -9239,25 +9010,24 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t0 @ t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -9290,14 +9060,13 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t21 = oe.contract('ab,cdeb->aecd', t19, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -9329,13 +9098,12 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9364,22 +9132,21 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t25, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -9407,18 +9174,17 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -9451,31 +9217,30 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23.transpose(-1, -2)
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = W_Q.transpose(-1, -2)
-    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = t2 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    t28 = W_Q.transpose(-1, -2)
+    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t29
-    t32 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cbd,cde->aecd', t31, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t30 = (1/(d_K*n_batch)) * t28
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -9502,27 +9267,26 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = t21.transpose(-1, -2)
-    t23 = t22 @ X
-    t24 = t0 @ t23
-    t25 = W_Q.transpose(-1, -2)
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t0 @ t22
+    t24 = W_Q.transpose(-1, -2)
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t23, t24, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t24, t0, M_3, X, W_K, t24, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9551,24 +9315,23 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t26 = oe.contract('ab,cbd,cde,ef->afcd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9596,23 +9359,22 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -9646,14 +9408,13 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
-    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9686,13 +9447,12 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -9740,20 +9500,19 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t21 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9780,19 +9539,18 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t16, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9820,20 +9578,19 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t22 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9860,19 +9617,18 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t16, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -9934,98 +9690,95 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t11 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t18 @ t3
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t18 @ t3
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t30, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = t29 @ X
-    t35 = t3 @ t34
-    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t33 += oe.contract('abc,d->bcd', t35, t37, optimize=[(0, 1)])
-    t38 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t39 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t32 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t32 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = t42.view((d_V, d_K, d_V, d_V))
-    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t43[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t44, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t46 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t47 = oe.contract('ab,cdeb->aecd', t45, M_2, optimize=[(0, 1)])
-    t43 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t48[...] = 0
-    t49 = t48.view((d_V, d_K, d_V, d_K))
-    t50 = t49.diagonal(0, 1, 3)
-    t51 = t29.transpose(-1, -2)
-    t52 = t51 @ X
-    t53 = t3 @ t52
-    t50 += oe.contract('abc,d->bcd', t53, t37, optimize=[(0, 1)])
-    t54 = W_Q.transpose(-1, -2)
-    t55 = (1/(d_K*n_batch)) * t54
-    t56 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t57 = oe.contract('ab,cbd,cde->aecd', t55, t3, X, optimize=[(0, 1), (0, 1)])
-    t49 += oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
-    t58 = (1/(L*d_K*n_batch)) * t54
-    t49 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t58, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_K, d_V, d_K))
-    t61 = oe.contract('ab,cdb,cde,ef->afcd', t58, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = oe.contract('ab,cbd,cde,ef->afcd', t55, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t60 += oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66 = t65.view((d_V, d_K, d_V, d_V))
-    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t54
-    t66[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t67, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t68 = (1/(math.sqrt(d_K)*n_batch)) * t54
-    t69 = oe.contract('ab,cdb,cde->aecd', t68, X, G, optimize=[(0, 1), (0, 1)])
-    t70 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t66 += oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t72 = t71.view((d_V, d_V, d_V, d_K))
-    t73 = G.transpose(-1, -2)
-    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
-    t75 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t76 = oe.contract('abc,acd->bdac', t74, X, optimize=[(0, 1)])
-    t72[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
-    t77 = M_1.transpose(-1, -2)
-    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t77
-    t79 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t80 = oe.contract('abc,acd->bdac', t78, X, optimize=[(0, 1)])
-    t72 += oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t82 = t81.view((d_V, d_V, d_V, d_K))
-    t83 = oe.contract('abc,acd,de->beac', t74, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t84 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t82[...] = oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
-    t85 = oe.contract('abc,acd,de->beac', t78, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t86 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t82 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
-    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t88 = t87.view((d_V, d_V, d_V, d_V))
-    t89 = (1/(L*n_batch)) * t77
-    t88[...] = oe.contract('abc,acd,acde,acf->bdfe', t89, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t28 @ X
+    t34 = t3 @ t33
+    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t32 += oe.contract('abc,d->bcd', t34, t36, optimize=[(0, 1)])
+    t37 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t38 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t43, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cdeb->aecd', t44, M_2, optimize=[(0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47[...] = 0
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = t48.diagonal(0, 1, 3)
+    t50 = t34.transpose(-1, -2)
+    t49 += oe.contract('abc,d->bcd', t50, t36, optimize=[(0, 1)])
+    t51 = W_Q.transpose(-1, -2)
+    t52 = (1/(d_K*n_batch)) * t51
+    t53 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t54 = oe.contract('ab,cbd,cde->aecd', t52, t3, X, optimize=[(0, 1), (0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
+    t55 = (1/(L*d_K*n_batch)) * t51
+    t48 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t55, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_K))
+    t58 = oe.contract('ab,cdb,cde,ef->afcd', t55, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t59 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = oe.contract('ab,cbd,cde,ef->afcd', t52, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t61 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = t62.view((d_V, d_K, d_V, d_V))
+    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t51
+    t63[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t64, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t51
+    t66 = oe.contract('ab,cdb,cde->aecd', t65, X, G, optimize=[(0, 1), (0, 1)])
+    t67 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t63 += oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t69 = t68.view((d_V, d_V, d_V, d_K))
+    t70 = G.transpose(-1, -2)
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
+    t69[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = M_1.transpose(-1, -2)
+    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t74
+    t76 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t75, X, optimize=[(0, 1)])
+    t69 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t79 = t78.view((d_V, d_V, d_V, d_K))
+    t80 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t81 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t79[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t82 = oe.contract('abc,acd,de->beac', t75, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t83 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t79 += oe.contract('abcd,efcd->aefb', t82, t83, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85 = t84.view((d_V, d_V, d_V, d_V))
+    t86 = (1/(L*n_batch)) * t74
+    t85[...] = oe.contract('abc,acd,acde,acf->bdfe', t86, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -10036,88 +9789,75 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = V_W_K.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = t9 + t14
-    t16 = Y.sum(-1, keepdim=True)
-    t17 = t16.expand(*t16.shape[:-1], d_V)
-    t18 = X @ W_V
-    t19 = A @ t18
-    F = t19
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t17 * A21
-    t23 = (1/(L*math.sqrt(d_K))) * t22
-    t24 = (-1/(L*math.sqrt(d_K))) * Y
-    t25 = t23 + t24
-    t26 = W_V.transpose(-1, -2)
-    t27 = t26 @ t0
-    t28 = t25 @ t27
-    t29 = t15 - (A * t15).sum(-1, keepdim=True)
-    t30 = t28 - (A * t28).sum(-1, keepdim=True)
-    t31 = A * t29 * t30
-    t32 = t31 - A * t31.sum(-1, keepdim=True)
-    t33 = V_W_V.transpose(-1, -2)
-    t34 = t33 @ t0
-    t35 = t25 @ t34
-    t36 = A * t29
-    t37 = t36 @ t18
-    t38 = X @ V_W_V
-    t39 = A @ t38
-    t40 = t37 + t39
-    t41 = t40 - (A21 * t40).sum(-1, keepdim=True)
-    t42 = A21 * t41
-    t43 = t17 * t42
-    t44 = t43 @ t27
-    t45 = (1/(L*math.sqrt(d_K))) * t44
-    t46 = t35 + t45
-    t47 = t46 - (A * t46).sum(-1, keepdim=True)
-    t48 = A * t47
-    t49 = t32 + t48
-    t50 = X @ W_K
-    t51 = t49 @ t50
+    t7 = X @ V_W_Q
+    t8 = t7 @ t3
+    t9 = V_W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t1 @ t10
+    t12 = t8 + t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    t14 = Y.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = X @ W_V
+    t17 = A @ t16
+    F = t17
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t15 * A19
+    t21 = t20 - Y
+    t22 = (1/(L*math.sqrt(d_K))) * t21
+    t23 = t16.transpose(-1, -2)
+    t24 = t22 @ t23
+    t25 = t13 - (A * t13).sum(-1, keepdim=True)
+    t26 = A * t25
+    t27 = t24 - (A * t24).sum(-1, keepdim=True)
+    t28 = t26 * t27
+    t29 = t28 - A * t28.sum(-1, keepdim=True)
+    t30 = V_W_V.transpose(-1, -2)
+    t31 = t30 @ t0
+    t32 = t22 @ t31
+    t33 = t26 @ t16
+    t34 = t31.transpose(-1, -2)
+    t35 = A @ t34
+    t36 = t33 + t35
+    t37 = t36 - (A19 * t36).sum(-1, keepdim=True)
+    t38 = A19 * t37
+    t39 = t15 * t38
+    t40 = t39 @ t23
+    t41 = (1/(L*math.sqrt(d_K))) * t40
+    t42 = t32 + t41
+    t43 = t42 - (A * t42).sum(-1, keepdim=True)
+    t44 = A * t43
+    t45 = t29 + t44
+    t46 = t3.transpose(-1, -2)
+    t47 = t45 @ t46
+    t48 = A * t27
+    t49 = t10.transpose(-1, -2)
+    t50 = t48 @ t49
+    t51 = t47 + t50
     t52 = t0 @ t51
-    t53 = A * t30
-    t54 = X @ V_W_K
-    t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = t52 + t56
-    t58 = t32.transpose(-1, -2)
-    t59 = t48.transpose(-1, -2)
-    t60 = t58 + t59
-    t61 = X @ W_Q
-    t62 = t60 @ t61
-    t63 = t0 @ t62
-    t64 = t53.transpose(-1, -2)
-    t65 = X @ V_W_Q
-    t66 = t64 @ t65
-    t67 = t0 @ t66
-    t68 = t63 + t67
-    t69 = t36.transpose(-1, -2)
-    t70 = (1/L) * t22
-    t71 = (-1/L) * Y
-    t72 = t70 + t71
-    t73 = t69 @ t72
-    t74 = t0 @ t73
-    t75 = A.transpose(-1, -2)
-    t76 = t75 @ t43
-    t77 = t0 @ t76
-    t78 = (1/L) * t77
-    t79 = t74 + t78
-    return (t57.mean(0), t68.mean(0), t79.mean(0),)
+    t53 = t45.transpose(-1, -2)
+    t54 = t53 @ t1
+    t55 = t48.transpose(-1, -2)
+    t56 = t55 @ t7
+    t57 = t54 + t56
+    t58 = t0 @ t57
+    t59 = t26.transpose(-1, -2)
+    t60 = (1/L) * t21
+    t61 = t59 @ t60
+    t62 = A.transpose(-1, -2)
+    t63 = t62 @ t39
+    t64 = (1/L) * t63
+    t65 = t61 + t64
+    t66 = t0 @ t65
+    return ((t52[0] if n_batch == 1 else t52.mean(0)), (t58[0] if n_batch == 1 else t58.mean(0)), (t66[0] if n_batch == 1 else t66.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -10154,45 +9894,42 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = t9 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = t16 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = t16 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = t26 @ X
-    t30 = t1 @ t29
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t30, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t30, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = t26.transpose(-1, -2)
-    t36 = t35 @ X
-    t37 = t1 @ t36
-    t38 = W_Q.transpose(-1, -2)
-    t39 = (n_batch**(-2)) * oe.contract('abc,dbc->', t37, t37, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t37, t38, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t37, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t38, t1, M_3, X, W_K, t38, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t38, t1, M_3, X, W_K, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t38, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t38, t1, M_3, X, W_Q, t38, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t38, M_2, X, W_V, t9, dA15, M_1, t38, M_2, X, W_V, t9, dA15, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t38, M_2, X, W_V, t9, dA15, M_1, t38, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t38, M_2, X, G, t38, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = G.transpose(-1, -2)
-    t46 = M_1.transpose(-1, -2)
-    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t45, M_2, X, W_K, t45, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t45, M_2, X, W_K, t46, t9, dA15, t16, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t46, t9, dA15, t16, M_2, X, W_K, t46, t9, dA15, t16, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t45, M_2, X, W_Q, t45, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t45, M_2, X, W_Q, t46, t9, dA15, t16, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t46, t9, dA15, t16, M_2, X, W_Q, t46, t9, dA15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t46, t9, dA15, M_1, t46, t9, dA15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    return (t28, t32, t34, t40, t42, t44, t48, t50, t52,)
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t25 @ X
+    t29 = t1 @ t28
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t29, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t29, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = t29.transpose(-1, -2)
+    t35 = W_Q.transpose(-1, -2)
+    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t34, t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t35, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t35, M_2, X, W_V, t9, dA15, M_1, t35, M_2, X, W_V, t9, dA15, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t35, M_2, X, W_V, t9, dA15, M_1, t35, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = G.transpose(-1, -2)
+    t43 = M_1.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t42, M_2, X, W_K, t43, t9, dA15, t16, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t43, t9, dA15, t16, M_2, X, W_K, t43, t9, dA15, t16, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t42, M_2, X, W_Q, t43, t9, dA15, t16, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t43, t9, dA15, t16, M_2, X, W_Q, t43, t9, dA15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    t48 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t43, t9, dA15, M_1, t43, t9, dA15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    return (t27, t31, t33, t37, t39, t41, t45, t47, t49,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10235,22 +9972,21 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t10 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t17 @ t2
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdim=True)
-    t30 = A * t29
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t17 @ t2
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t1
-    t32 = oe.contract('ab,cdbe,ea->acd', t31, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t33 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
+    t30 = (1/(d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdbe,ea->acd', t30, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t32 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -10288,16 +10024,15 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = t9 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = t16 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = t16 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -10341,20 +10076,19 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t17 @ t2
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t17 @ t2
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10392,21 +10126,20 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = t9 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = t16 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = t16 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10436,42 +10169,41 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22 @ X
+    t24 = t2 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch)) * t3
-    t30 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t32 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A33 = t32 / t32.sum(-1, keepdim=True)
-    t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t31 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = oe.contract('abc,cd->abcd', A33, t34, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A33, A33, optimize=[(0, 1)])
-    t36 = (1/(L*d_K*n_batch)) * t3
-    t37 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t38 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t36, M_2, W_V, t10, dA35, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    dA34 = oe.contract('abc,cd->abcd', A32, t33, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A32, A32, optimize=[(0, 1)])
+    t35 = (1/(L*d_K*n_batch)) * t3
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t35, M_2, W_V, t10, dA34, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -10498,34 +10230,33 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t0 @ t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t25 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t24 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    dA27 = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t22, t1, M_2, X, W_V, t8, dA27, t16, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, dA27, t16, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, dA27, t16, M_2, X, W_Q, t1, M_2, X, W_V, t8, dA27, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -10565,14 +10296,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t10 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t25 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t26 = oe.contract('ab,cdeb->aecd', t24, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t24 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t25 = oe.contract('ab,cdeb->aecd', t23, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10609,13 +10339,12 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.exp(F - F.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = t9 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10659,20 +10388,19 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = t11 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = t18 @ t2
-    t29 = G @ t28
-    t30 = t29 - (A * t29).sum(-1, keepdim=True)
-    t31 = A * t30
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t18 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t31, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t30, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t32, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t31, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10711,16 +10439,15 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t10 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t17 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t17 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(1, 7), (0, 1), (1, 2), (1, 6), (3, 5), (0, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -10753,42 +10480,41 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23.transpose(-1, -2)
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = W_Q.transpose(-1, -2)
-    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = t2 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    t28 = W_Q.transpose(-1, -2)
+    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t29
-    t32 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cbd,cde->aecd', t31, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t30 = (1/(d_K*n_batch)) * t28
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t34 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A35 = t34 / t34.sum(-1, keepdim=True)
-    t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t33 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA37 = oe.contract('abc,cd->abcd', A35, t36, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A35, A35, optimize=[(0, 1)])
-    t38 = (1/(L*d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t38, M_2, X, W_V, t10, dA37, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
+    t37 = (1/(L*d_K*n_batch)) * t28
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t37, M_2, X, W_V, t10, dA36, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10815,36 +10541,35 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = t21.transpose(-1, -2)
-    t23 = t22 @ X
-    t24 = t0 @ t23
-    t25 = W_Q.transpose(-1, -2)
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t0 @ t22
+    t24 = W_Q.transpose(-1, -2)
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t27 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t26 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return t32
+    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t23, t24, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t23, t24, M_2, X, W_V, t8, dA29, t16, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t24, t0, M_3, X, W_K, t24, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t24, t0, M_3, X, W_K, t24, M_2, X, W_V, t8, dA29, t16, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t24, M_2, X, W_V, t8, dA29, t16, M_2, X, W_K, t24, M_2, X, W_V, t8, dA29, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return t31
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10888,22 +10613,21 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = t11 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = t18 @ t2
-    t29 = G @ t28
-    t30 = t29 - (A * t29).sum(-1, keepdim=True)
-    t31 = A * t30
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t18 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t31, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t30, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t1
-    t33 = oe.contract('ab,cbd,cde,ef->afcd', t32, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t31 = (1/(d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cbd,cde,ef->afcd', t31, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -10942,21 +10666,20 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t10 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t17 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t17 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return t29
+    t27 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -10997,14 +10720,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t11 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t26 = oe.contract('ab,cdb,cde->aecd', t25, X, G, optimize=[(0, 1), (0, 1)])
-    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('ab,cdb,cde->aecd', t24, X, G, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -11042,13 +10764,12 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = t10 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, W_V, t10, dA16, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, W_V, t10, dA16, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11138,31 +10859,30 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t21 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 = M_1.transpose(-1, -2)
-    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
-    t28 = W_V.transpose(-1, -2)
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t30 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA27, t28, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    dA26 = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
+    t27 = W_V.transpose(-1, -2)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t29 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA26, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11189,26 +10909,25 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t18 = M_1.transpose(-1, -2)
+    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t24 = W_V.transpose(-1, -2)
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t17, M_2, X, W_K, t19, t1, dA23, t24, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t19, t1, dA23, t24, M_2, X, W_K, t19, t1, dA23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA22 = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t16, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t16, M_2, X, W_K, t18, t1, dA22, t23, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t18, t1, dA22, t23, M_2, X, W_K, t18, t1, dA22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11236,31 +10955,30 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t22 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = M_1.transpose(-1, -2)
-    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
-    t28 = W_V.transpose(-1, -2)
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t30 = oe.contract('abc,acd,de->beac', t29, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('abc,abcd,de,abef->cfab', t2, dA27, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    dA26 = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
+    t27 = W_V.transpose(-1, -2)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t29 = oe.contract('abc,acd,de->beac', t28, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('abc,abcd,de,abef->cfab', t2, dA26, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11287,26 +11005,25 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t18 = M_1.transpose(-1, -2)
+    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t24 = W_V.transpose(-1, -2)
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t17, M_2, X, W_Q, t19, t1, dA23, t24, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t19, t1, dA23, t24, M_2, X, W_Q, t19, t1, dA23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA22 = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t16, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t16, M_2, X, W_Q, t18, t1, dA22, t23, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t18, t1, dA22, t23, M_2, X, W_Q, t18, t1, dA22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11406,25 +11123,24 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t9 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t16 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t16 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t29 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t30 = t17 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    t27 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t28 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t29 = t17 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -11462,27 +11178,26 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t9 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t16 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
-    t28 = t27 @ X
-    t29 = t1 @ t28
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t16 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    t27 = t26 @ X
+    t28 = t1 @ t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t29, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t31 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,ka,lfj->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t29, optimize=[(4, 5), (0, 7), (1, 6), (3, 7), (2, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nfo,nomj,nop,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(4, 5), (0, 8), (1, 7), (4, 5), (5, 6), (8, 9), (7, 8), (0, 1), (3, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)])
-    t32 = t17 + t30 + t31
-    t33 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t33, t34, t35,)
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t28, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,ka,lfj->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t28, optimize=[(4, 5), (0, 7), (1, 6), (3, 7), (2, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nfo,nomj,nop,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(4, 5), (0, 8), (1, 7), (4, 5), (5, 6), (8, 9), (7, 8), (0, 1), (3, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)])
+    t31 = t17 + t29 + t30
+    t32 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return (t32, t33, t34,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -11519,17 +11234,16 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = t9 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = t16 + t23 + t24
-    t26 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t26, t27, t28,)
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = t16 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -11568,28 +11282,27 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t17 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
-    t29 = t28.transpose(-1, -2)
-    t30 = t29 @ X
-    t31 = t1 @ t30
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t17 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    t28 = t27.transpose(-1, -2)
+    t29 = t28 @ X
+    t30 = t1 @ t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t31, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,ja,lfk->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t31, optimize=[(4, 5), (0, 2), (4, 6), (0, 7), (0, 6), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nmo,nofp,nok,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t34 = t18 + t32 + t33
-    t35 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t36 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t35, t36, t37,)
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t32 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,ja,lfk->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t30, optimize=[(4, 5), (0, 2), (4, 6), (0, 7), (0, 6), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nmo,nofp,nok,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = t18 + t31 + t32
+    t34 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return (t34, t35, t36,)
 
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -11628,25 +11341,24 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t17 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t17 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t30 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t31 = t18 + t29 + t30
-    t32 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t34 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return (t32, t33, t34,)
+    t28 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t29 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t30 = t18 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -11684,17 +11396,16 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t10 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = t17 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t24 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = t17 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
 
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -11733,18 +11444,17 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t25, M_2, X, W_K, t25, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jdk,jkbl,jkh,li->', t8, t10, dA, t15, M_2, X, W_K, t25, M_2, X, W_K, optimize=[(1, 2), (1, 9), (1, 8), (0, 4), (0, 3), (0, 2), (2, 3), (1, 2), (1, 2), (0, 1)])
-    t28 = t18 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = G.transpose(-1, -2)
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t24, M_2, X, W_K, t24, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t26 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jdk,jkbl,jkh,li->', t8, t10, dA, t15, M_2, X, W_K, t24, M_2, X, W_K, optimize=[(1, 2), (1, 9), (1, 8), (0, 4), (0, 3), (0, 2), (2, 3), (1, 2), (1, 2), (0, 1)])
+    t27 = t18 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -11783,18 +11493,17 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t25, M_2, X, W_Q, t25, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jdk,jkbg,jkl,li->', t8, t10, dA, t15, M_2, X, W_Q, t25, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (5, 6), (6, 7), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t28 = t18 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = G.transpose(-1, -2)
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t24, M_2, X, W_Q, t24, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jdk,jkbg,jkl,li->', t8, t10, dA, t15, M_2, X, W_Q, t24, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (5, 6), (6, 7), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = t18 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -11853,7 +11562,7 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     t14 = t13.sum(-1, keepdim=True)
     t15 = t14.sum(-2, keepdim=True)
     t16 = (-1/L) * t15
-    return t16.mean(0)[0, 0]
+    return (t16[0] if n_batch == 1 else t16.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -11863,10 +11572,10 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
@@ -11880,28 +11589,25 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = X @ W_K
-    t25 = t23 @ t24
-    t26 = t0 @ t25
-    t27 = (1/math.sqrt(d_K)) * t26
-    t28 = t23.transpose(-1, -2)
-    t29 = X @ W_Q
-    t30 = t28 @ t29
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = t11.transpose(-1, -2)
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t0 @ t21
+    t23 = t3.transpose(-1, -2)
+    t24 = t22 @ t23
+    t25 = (1/math.sqrt(d_K)) * t24
+    t26 = t21.transpose(-1, -2)
+    t27 = t0 @ t26
+    t28 = t27 @ t1
+    t29 = (1/math.sqrt(d_K)) * t28
+    t30 = A.transpose(-1, -2)
     t31 = t0 @ t30
-    t32 = (1/math.sqrt(d_K)) * t31
-    t33 = A.transpose(-1, -2)
-    t34 = t33 @ G
-    t35 = t0 @ t34
-    return (t27.mean(0), t32.mean(0), t35.mean(0),)
+    t32 = t31 @ G
+    return ((t25[0] if n_batch == 1 else t25.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t32[0] if n_batch == 1 else t32.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -11990,10 +11696,10 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
@@ -12005,43 +11711,38 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t12 = A @ t11
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = V_W_Q @ t2
+    t15 = V_W_Q @ t3
     t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    t18 = V_W_K.transpose(-1, -2)
-    t19 = t18 @ t0
-    t20 = W_Q @ t19
-    t21 = X @ t20
-    t22 = (1/math.sqrt(d_K)) * t21
-    t23 = t17 + t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25 @ t11
-    t27 = X @ V_W_V
-    t28 = A @ t27
-    t29 = t26 + t28
-    t30 = t29 - (A14 * t29).sum(-1, keepdim=True)
-    t31 = A14 * t30
-    t32 = t10 * t31
-    t33 = W_V.transpose(-1, -2)
-    t34 = t33 @ t0
-    t35 = t32 @ t34
-    t36 = t35 - (A * t35).sum(-1, keepdim=True)
-    t37 = A * t36
-    t38 = X @ W_K
-    t39 = t37 @ t38
+    t17 = V_W_K.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t1 @ t18
+    t20 = t16 + t19
+    t21 = (1/math.sqrt(d_K)) * t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ t11
+    t25 = A @ X
+    t26 = t25 @ V_W_V
+    t27 = t24 + t26
+    t28 = t27 - (A14 * t27).sum(-1, keepdim=True)
+    t29 = A14 * t28
+    t30 = t10 * t29
+    t31 = t11.transpose(-1, -2)
+    t32 = t30 @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    t34 = A * t33
+    t35 = t0 @ t34
+    t36 = t3.transpose(-1, -2)
+    t37 = t35 @ t36
+    t38 = (1/(L*math.sqrt(d_K))) * t37
+    t39 = t34.transpose(-1, -2)
     t40 = t0 @ t39
-    t41 = (1/(L*math.sqrt(d_K))) * t40
-    t42 = t37.transpose(-1, -2)
-    t43 = X @ W_Q
-    t44 = t42 @ t43
-    t45 = t0 @ t44
-    t46 = (1/(L*math.sqrt(d_K))) * t45
-    t47 = A.transpose(-1, -2)
-    t48 = t47 @ t32
-    t49 = t0 @ t48
-    t50 = (1/L) * t49
-    return (t41.mean(0), t46.mean(0), t50.mean(0),)
+    t41 = t40 @ t1
+    t42 = (1/(L*math.sqrt(d_K))) * t41
+    t43 = t25.transpose(-1, -2)
+    t44 = t43 @ t30
+    t45 = (1/L) * t44
+    return ((t38[0] if n_batch == 1 else t38.mean(0)), (t42[0] if n_batch == 1 else t42.mean(0)), (t45[0] if n_batch == 1 else t45.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -13035,82 +12736,79 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t3
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t3
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ X
-    t32 = t3 @ t31
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t30 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
-    t35 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
-    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t24 @ X
+    t31 = t3 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t29 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t41 = oe.contract('ab,cdeb->aecd', t39, M_2, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42[...] = 0
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = t43.diagonal(0, 1, 3)
-    t45 = t25.transpose(-1, -2)
-    t46 = t45 @ X
-    t47 = t3 @ t46
-    t44 += oe.contract('abc,d->bcd', t47, t34, optimize=[(0, 1)])
-    t48 = W_Q.transpose(-1, -2)
-    t49 = (1/(d_K*n_batch)) * t48
-    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
-    t43 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57 = t56.view((d_V, d_K, d_V, d_V))
-    t58 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
-    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t62 = t61.view((d_V, d_V, d_V, d_K))
-    t63 = G.transpose(-1, -2)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t66 = oe.contract('abc,acd->bdac', t64, X, optimize=[(0, 1)])
-    t62[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = t67.view((d_V, d_V, d_V, d_K))
-    t69 = oe.contract('abc,acd,de->beac', t64, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t70 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
+    t37[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = t31.transpose(-1, -2)
+    t43 += oe.contract('abc,d->bcd', t44, t33, optimize=[(0, 1)])
+    t45 = W_Q.transpose(-1, -2)
+    t46 = (1/(d_K*n_batch)) * t45
+    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_K, d_V, d_K))
+    t51 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t52 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t50[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = t53.view((d_V, d_K, d_V, d_V))
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t56 = oe.contract('ab,cdb,cde->aecd', t55, X, G, optimize=[(0, 1), (0, 1)])
+    t57 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = t58.view((d_V, d_V, d_V, d_K))
+    t60 = G.transpose(-1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t65 = t64.view((d_V, d_V, d_V, d_K))
+    t66 = oe.contract('abc,acd,de->beac', t61, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t67 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
     return H
 
 
@@ -13121,77 +12819,65 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    t12 = V_W_K.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    t17 = t11 + t16
-    t18 = Y.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = X @ W_V
-    t21 = A @ t20
-    F = t21
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t19 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = W_V.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = G @ t29
-    t31 = t17 - (A * t17).sum(-1, keepdim=True)
-    t32 = t30 - (A * t30).sum(-1, keepdim=True)
-    t33 = A * t31 * t32
-    t34 = t33 - A * t33.sum(-1, keepdim=True)
-    t35 = V_W_V.transpose(-1, -2)
-    t36 = t35 @ t0
-    t37 = G @ t36
-    t38 = t37 - (A * t37).sum(-1, keepdim=True)
-    t39 = A * t38
-    t40 = t34 + t39
-    t41 = X @ W_K
+    t9 = X @ V_W_Q
+    t10 = t9 @ t3
+    t11 = V_W_K.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = t1 @ t12
+    t14 = t10 + t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = Y.sum(-1, keepdim=True)
+    t17 = t16.expand(*t16.shape[:-1], d_V)
+    t18 = X @ W_V
+    t19 = A @ t18
+    F = t19
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t17 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t18.transpose(-1, -2)
+    t26 = G @ t25
+    t27 = t15 - (A * t15).sum(-1, keepdim=True)
+    t28 = A * t27
+    t29 = t26 - (A * t26).sum(-1, keepdim=True)
+    t30 = t28 * t29
+    t31 = t30 - A * t30.sum(-1, keepdim=True)
+    t32 = V_W_V.transpose(-1, -2)
+    t33 = t32 @ t0
+    t34 = G @ t33
+    t35 = t34 - (A * t34).sum(-1, keepdim=True)
+    t36 = A * t35
+    t37 = t31 + t36
+    t38 = t3.transpose(-1, -2)
+    t39 = t37 @ t38
+    t40 = A * t29
+    t41 = t12.transpose(-1, -2)
     t42 = t40 @ t41
-    t43 = t0 @ t42
+    t43 = t39 + t42
     t44 = (1/math.sqrt(d_K)) * t43
-    t45 = A * t32
-    t46 = X @ V_W_K
-    t47 = t45 @ t46
-    t48 = t0 @ t47
-    t49 = (1/math.sqrt(d_K)) * t48
-    t50 = t44 + t49
-    t51 = t34.transpose(-1, -2)
-    t52 = t39.transpose(-1, -2)
-    t53 = t51 + t52
-    t54 = X @ W_Q
-    t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = (1/math.sqrt(d_K)) * t56
-    t58 = t45.transpose(-1, -2)
-    t59 = X @ V_W_Q
-    t60 = t58 @ t59
-    t61 = t0 @ t60
-    t62 = (1/math.sqrt(d_K)) * t61
-    t63 = t57 + t62
-    t64 = A * t31
-    t65 = t64.transpose(-1, -2)
-    t66 = t65 @ G
-    t67 = t0 @ t66
-    return (t50.mean(0), t63.mean(0), t67.mean(0),)
+    t45 = t0 @ t44
+    t46 = t37.transpose(-1, -2)
+    t47 = t46 @ t1
+    t48 = t40.transpose(-1, -2)
+    t49 = t48 @ t9
+    t50 = t47 + t49
+    t51 = (1/math.sqrt(d_K)) * t50
+    t52 = t0 @ t51
+    t53 = t28.transpose(-1, -2)
+    t54 = t53 @ G
+    t55 = t0 @ t54
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t52[0] if n_batch == 1 else t52.mean(0)), (t55[0] if n_batch == 1 else t55.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -13219,48 +12905,45 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t23 @ X
-    t28 = t1 @ t27
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t28, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t22 @ X
+    t27 = t1 @ t26
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = t23.transpose(-1, -2)
-    t34 = t33 @ X
-    t35 = t1 @ t34
-    t36 = W_Q.transpose(-1, -2)
-    t37 = (n_batch**(-2)) * oe.contract('abc,dbc->', t35, t35, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t35, t36, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t36, t1, M_3, X, W_K, t36, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t36, t1, M_3, X, W_Q, t36, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t36, M_2, X, G, t36, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = t27.transpose(-1, -2)
+    t33 = W_Q.transpose(-1, -2)
+    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = G.transpose(-1, -2)
+    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = G.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t43, M_2, X, W_K, t43, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t43, M_2, X, W_Q, t43, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    return (t26, t30, t32, t38, t40, t42, t45, t47, 0.0,)
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return (t25, t29, t31, t35, t37, t39, t42, t44, 0.0,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -13290,24 +12973,23 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -13336,18 +13018,17 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -13380,22 +13061,21 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -13424,23 +13104,22 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -13472,29 +13151,28 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = t24 @ X
+    t26 = t2 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t3
-    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -13523,25 +13201,24 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23 @ X
-    t25 = t0 @ t24
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t24, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -13576,14 +13253,13 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t23 = oe.contract('ab,cdeb->aecd', t21, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t22 = oe.contract('ab,cdeb->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -13617,13 +13293,12 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -13654,22 +13329,21 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -13699,18 +13373,17 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t1
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -13745,31 +13418,30 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t2 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
-    t31 = W_Q.transpose(-1, -2)
-    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = t24.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = W_Q.transpose(-1, -2)
+    t31 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t31
-    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t32 = (1/(d_K*n_batch)) * t30
+    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -13798,27 +13470,26 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23.transpose(-1, -2)
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = W_Q.transpose(-1, -2)
-    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = t0 @ t24
+    t26 = W_Q.transpose(-1, -2)
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t26, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t26, t0, M_3, X, W_K, t26, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -13849,24 +13520,23 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t1
-    t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -13896,23 +13566,22 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t1
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -13948,14 +13617,13 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = torch.exp(F - F.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = t13 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = oe.contract('ab,cdb,cde->aecd', t22, X, G, optimize=[(0, 1), (0, 1)])
-    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde->aecd', t21, X, G, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13990,13 +13658,12 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -14046,20 +13713,19 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t23 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -14088,19 +13754,18 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t18, M_2, X, W_K, t18, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -14130,20 +13795,19 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t24 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -14172,19 +13836,18 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t18, M_2, X, W_Q, t18, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -14248,98 +13911,95 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = t13 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = t20 @ t3
-    t29 = G @ t28
-    t30 = t29 - (A * t29).sum(-1, keepdim=True)
-    t31 = A * t30
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t20 @ t3
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t31, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t30, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t32, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t31 @ X
-    t37 = t3 @ t36
-    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t35 += oe.contract('abc,d->bcd', t37, t39, optimize=[(0, 1)])
-    t40 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdbe->aecd', t32, M_3, optimize=[(0, 1)])
-    t34 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t43 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t34 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45 = t44.view((d_V, d_K, d_V, d_V))
-    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t46, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t48 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t49 = oe.contract('ab,cdeb->aecd', t47, M_2, optimize=[(0, 1)])
-    t45 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t50[...] = 0
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = t51.diagonal(0, 1, 3)
-    t53 = t31.transpose(-1, -2)
-    t54 = t53 @ X
-    t55 = t3 @ t54
-    t52 += oe.contract('abc,d->bcd', t55, t39, optimize=[(0, 1)])
-    t56 = W_Q.transpose(-1, -2)
-    t57 = (1/(d_K*n_batch)) * t56
-    t58 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t59 = oe.contract('ab,cbd,cde->aecd', t57, t3, X, optimize=[(0, 1), (0, 1)])
-    t51 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
-    t60 = (1/(L*d_K*n_batch)) * t56
-    t51 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t60, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_V, d_K, d_V, d_K))
-    t63 = oe.contract('ab,cdb,cde,ef->afcd', t60, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = oe.contract('ab,cbd,cde,ef->afcd', t57, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t66 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t62 += oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68 = t67.view((d_V, d_K, d_V, d_V))
-    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
-    t68[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t69, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t70 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t71 = oe.contract('ab,cdb,cde->aecd', t70, X, G, optimize=[(0, 1), (0, 1)])
-    t72 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t68 += oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t74 = t73.view((d_V, d_V, d_V, d_K))
-    t75 = G.transpose(-1, -2)
-    t76 = (1/(math.sqrt(d_K)*n_batch)) * t75
-    t77 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
-    t74[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
-    t79 = M_1.transpose(-1, -2)
-    t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
-    t81 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t82 = oe.contract('abc,acd->bdac', t80, X, optimize=[(0, 1)])
-    t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
-    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t84 = t83.view((d_V, d_V, d_V, d_K))
-    t85 = oe.contract('abc,acd,de->beac', t76, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t86 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t84[...] = oe.contract('abcd,efcd->eafb', t85, t86, optimize=[(0, 1)])
-    t87 = oe.contract('abc,acd,de->beac', t80, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t88 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t84 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
-    t89 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t90 = t89.view((d_V, d_V, d_V, d_V))
-    t91 = (1/(L*n_batch)) * t79
-    t90[...] = oe.contract('abc,acd,acde,acf->bdfe', t91, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t31, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t30 @ X
+    t36 = t3 @ t35
+    t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t34 += oe.contract('abc,d->bcd', t36, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t42 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t44[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t45, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t47 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cdeb->aecd', t46, M_2, optimize=[(0, 1)])
+    t44 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t49[...] = 0
+    t50 = t49.view((d_V, d_K, d_V, d_K))
+    t51 = t50.diagonal(0, 1, 3)
+    t52 = t36.transpose(-1, -2)
+    t51 += oe.contract('abc,d->bcd', t52, t38, optimize=[(0, 1)])
+    t53 = W_Q.transpose(-1, -2)
+    t54 = (1/(d_K*n_batch)) * t53
+    t55 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t56 = oe.contract('ab,cbd,cde->aecd', t54, t3, X, optimize=[(0, 1), (0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = (1/(L*d_K*n_batch)) * t53
+    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t57, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_K))
+    t60 = oe.contract('ab,cdb,cde,ef->afcd', t57, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t61 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = oe.contract('ab,cbd,cde,ef->afcd', t54, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t63 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t59 += oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65 = t64.view((d_V, d_K, d_V, d_V))
+    t66 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
+    t65[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t66, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t68 = oe.contract('ab,cdb,cde->aecd', t67, X, G, optimize=[(0, 1), (0, 1)])
+    t69 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t65 += oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t71 = t70.view((d_V, d_V, d_V, d_K))
+    t72 = G.transpose(-1, -2)
+    t73 = (1/(math.sqrt(d_K)*n_batch)) * t72
+    t74 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t75 = oe.contract('abc,acd->bdac', t73, X, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = M_1.transpose(-1, -2)
+    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t76
+    t78 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t79 = oe.contract('abc,acd->bdac', t77, X, optimize=[(0, 1)])
+    t71 += oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
+    t80 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t81 = t80.view((d_V, d_V, d_V, d_K))
+    t82 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t83 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t81[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = oe.contract('abc,acd,de->beac', t77, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t85 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 += oe.contract('abcd,efcd->aefb', t84, t85, optimize=[(0, 1)])
+    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t87 = t86.view((d_V, d_V, d_V, d_V))
+    t88 = (1/(L*n_batch)) * t76
+    t87[...] = oe.contract('abc,acd,acde,acf->bdfe', t88, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -14350,90 +14010,77 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    t12 = V_W_K.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    t17 = t11 + t16
-    t18 = Y.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = X @ W_V
-    t21 = A @ t20
-    F = t21
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t19 * A23
-    t25 = (1/(L*math.sqrt(d_K))) * t24
-    t26 = (-1/(L*math.sqrt(d_K))) * Y
-    t27 = t25 + t26
-    t28 = W_V.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = t27 @ t29
-    t31 = t17 - (A * t17).sum(-1, keepdim=True)
-    t32 = t30 - (A * t30).sum(-1, keepdim=True)
-    t33 = A * t31 * t32
-    t34 = t33 - A * t33.sum(-1, keepdim=True)
-    t35 = V_W_V.transpose(-1, -2)
-    t36 = t35 @ t0
-    t37 = t27 @ t36
-    t38 = A * t31
-    t39 = t38 @ t20
-    t40 = X @ V_W_V
-    t41 = A @ t40
-    t42 = t39 + t41
-    t43 = t42 - (A23 * t42).sum(-1, keepdim=True)
-    t44 = A23 * t43
-    t45 = t19 * t44
-    t46 = t45 @ t29
-    t47 = (1/(L*math.sqrt(d_K))) * t46
-    t48 = t37 + t47
-    t49 = t48 - (A * t48).sum(-1, keepdim=True)
-    t50 = A * t49
-    t51 = t34 + t50
-    t52 = X @ W_K
-    t53 = t51 @ t52
+    t9 = X @ V_W_Q
+    t10 = t9 @ t3
+    t11 = V_W_K.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = t1 @ t12
+    t14 = t10 + t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = Y.sum(-1, keepdim=True)
+    t17 = t16.expand(*t16.shape[:-1], d_V)
+    t18 = X @ W_V
+    t19 = A @ t18
+    F = t19
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t17 * A21
+    t23 = t22 - Y
+    t24 = (1/(L*math.sqrt(d_K))) * t23
+    t25 = t18.transpose(-1, -2)
+    t26 = t24 @ t25
+    t27 = t15 - (A * t15).sum(-1, keepdim=True)
+    t28 = A * t27
+    t29 = t26 - (A * t26).sum(-1, keepdim=True)
+    t30 = t28 * t29
+    t31 = t30 - A * t30.sum(-1, keepdim=True)
+    t32 = V_W_V.transpose(-1, -2)
+    t33 = t32 @ t0
+    t34 = t24 @ t33
+    t35 = t28 @ t18
+    t36 = t33.transpose(-1, -2)
+    t37 = A @ t36
+    t38 = t35 + t37
+    t39 = t38 - (A21 * t38).sum(-1, keepdim=True)
+    t40 = A21 * t39
+    t41 = t17 * t40
+    t42 = t41 @ t25
+    t43 = (1/(L*math.sqrt(d_K))) * t42
+    t44 = t34 + t43
+    t45 = t44 - (A * t44).sum(-1, keepdim=True)
+    t46 = A * t45
+    t47 = t31 + t46
+    t48 = t3.transpose(-1, -2)
+    t49 = t47 @ t48
+    t50 = A * t29
+    t51 = t12.transpose(-1, -2)
+    t52 = t50 @ t51
+    t53 = t49 + t52
     t54 = t0 @ t53
-    t55 = A * t32
-    t56 = X @ V_W_K
-    t57 = t55 @ t56
-    t58 = t0 @ t57
-    t59 = t54 + t58
-    t60 = t34.transpose(-1, -2)
-    t61 = t50.transpose(-1, -2)
-    t62 = t60 + t61
-    t63 = X @ W_Q
-    t64 = t62 @ t63
-    t65 = t0 @ t64
-    t66 = t55.transpose(-1, -2)
-    t67 = X @ V_W_Q
-    t68 = t66 @ t67
-    t69 = t0 @ t68
-    t70 = t65 + t69
-    t71 = t38.transpose(-1, -2)
-    t72 = (1/L) * t24
-    t73 = (-1/L) * Y
-    t74 = t72 + t73
-    t75 = t71 @ t74
-    t76 = t0 @ t75
-    t77 = A.transpose(-1, -2)
-    t78 = t77 @ t45
-    t79 = t0 @ t78
-    t80 = (1/L) * t79
-    t81 = t76 + t80
-    return (t59.mean(0), t70.mean(0), t81.mean(0),)
+    t55 = t47.transpose(-1, -2)
+    t56 = t55 @ t1
+    t57 = t50.transpose(-1, -2)
+    t58 = t57 @ t9
+    t59 = t56 + t58
+    t60 = t0 @ t59
+    t61 = t28.transpose(-1, -2)
+    t62 = (1/L) * t23
+    t63 = t61 @ t62
+    t64 = A.transpose(-1, -2)
+    t65 = t64 @ t41
+    t66 = (1/L) * t65
+    t67 = t63 + t66
+    t68 = t0 @ t67
+    return ((t54[0] if n_batch == 1 else t54.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)), (t68[0] if n_batch == 1 else t68.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -14472,45 +14119,42 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t11 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t18 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t18 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t28 @ X
-    t32 = t1 @ t31
-    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t32, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t32, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = t28.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t1 @ t38
-    t40 = W_Q.transpose(-1, -2)
-    t41 = (n_batch**(-2)) * oe.contract('abc,dbc->', t39, t39, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t39, t40, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t39, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t40, t1, M_3, X, W_K, t40, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t40, t1, M_3, X, W_K, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t40, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t40, t1, M_3, X, W_Q, t40, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t40, M_2, X, W_V, t11, dA17, M_1, t40, M_2, X, W_V, t11, dA17, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t40, M_2, X, W_V, t11, dA17, M_1, t40, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t40, M_2, X, G, t40, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    t47 = G.transpose(-1, -2)
-    t48 = M_1.transpose(-1, -2)
-    t49 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t47, M_2, X, W_K, t47, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t47, M_2, X, W_K, t48, t11, dA17, t18, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t48, t11, dA17, t18, M_2, X, W_K, t48, t11, dA17, t18, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t47, M_2, X, W_Q, t47, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t47, M_2, X, W_Q, t48, t11, dA17, t18, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t48, t11, dA17, t18, M_2, X, W_Q, t48, t11, dA17, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    t53 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t48, t11, dA17, M_1, t48, t11, dA17, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
-    return (t30, t34, t36, t42, t44, t46, t50, t52, t54,)
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = t27 @ X
+    t31 = t1 @ t30
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t31, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t31, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = t31.transpose(-1, -2)
+    t37 = W_Q.transpose(-1, -2)
+    t38 = (n_batch**(-2)) * oe.contract('abc,dbc->', t36, t36, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t36, t37, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t36, t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t37, t1, M_3, X, W_K, t37, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t37, t1, M_3, X, W_K, t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t37, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t37, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t37, t1, M_3, X, W_Q, t37, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t37, M_2, X, W_V, t11, dA17, M_1, t37, M_2, X, W_V, t11, dA17, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t37, M_2, X, W_V, t11, dA17, M_1, t37, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t37, M_2, X, G, t37, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = G.transpose(-1, -2)
+    t45 = M_1.transpose(-1, -2)
+    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t44, M_2, X, W_K, t44, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t44, M_2, X, W_K, t45, t11, dA17, t18, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t45, t11, dA17, t18, M_2, X, W_K, t45, t11, dA17, t18, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t44, M_2, X, W_Q, t44, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t44, M_2, X, W_Q, t45, t11, dA17, t18, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t45, t11, dA17, t18, M_2, X, W_Q, t45, t11, dA17, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t50 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t45, t11, dA17, M_1, t45, t11, dA17, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    return (t29, t33, t35, t39, t41, t43, t47, t49, t51,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -14555,22 +14199,21 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = t12 * A24
-    t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = t19 @ t2
-    t30 = G @ t29
-    t31 = t30 - (A * t30).sum(-1, keepdim=True)
-    t32 = A * t31
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t19 @ t2
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t32, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t31, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t1
-    t34 = oe.contract('ab,cdbe,ea->acd', t33, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t35 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
+    t32 = (1/(d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdbe,ea->acd', t32, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t34 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -14610,16 +14253,15 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t11 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t18 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t18 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
@@ -14665,20 +14307,19 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t12 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t19 @ t2
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdim=True)
-    t30 = A * t29
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t19 @ t2
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t31, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t30, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -14718,21 +14359,20 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t11 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t18 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = t18 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -14764,42 +14404,41 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = t24 @ X
+    t26 = t2 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t3
-    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t34 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A35 = t34 / t34.sum(-1, keepdim=True)
-    t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t33 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA37 = oe.contract('abc,cd->abcd', A35, t36, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A35, A35, optimize=[(0, 1)])
-    t38 = (1/(L*d_K*n_batch)) * t3
-    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t40 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t38, M_2, W_V, t12, dA37, t21, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
+    t37 = (1/(L*d_K*n_batch)) * t3
+    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t37, M_2, W_V, t12, dA36, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -14828,34 +14467,33 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23 @ X
-    t25 = t0 @ t24
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return t32
+    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t24, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t24, t1, M_2, X, W_V, t10, dA29, t18, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, dA29, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, dA29, t18, M_2, X, W_Q, t1, M_2, X, W_V, t10, dA29, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return t31
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -14897,14 +14535,13 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t27 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t28 = oe.contract('ab,cdeb->aecd', t26, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t26 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cdeb->aecd', t25, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -14943,13 +14580,12 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t11 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -14995,20 +14631,19 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = t13 * A25
-    t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = t20 @ t2
-    t31 = G @ t30
-    t32 = t31 - (A * t31).sum(-1, keepdim=True)
-    t33 = A * t32
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t20 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t33, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t33, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t33, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t32, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t34 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t34, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t33, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -15049,16 +14684,15 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t19 @ t1
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t19 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(1, 7), (0, 1), (1, 2), (1, 6), (3, 5), (0, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
@@ -15093,42 +14727,41 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t2 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
-    t31 = W_Q.transpose(-1, -2)
-    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = t24.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = W_Q.transpose(-1, -2)
+    t31 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t31
-    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t32 = (1/(d_K*n_batch)) * t30
+    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t36 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A37 = t36 / t36.sum(-1, keepdim=True)
-    t38 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t35 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A36 = t35 / t35.sum(-1, keepdim=True)
+    t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA39 = oe.contract('abc,cd->abcd', A37, t38, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A37, A37, optimize=[(0, 1)])
-    t40 = (1/(L*d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t12, dA39, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA38 = oe.contract('abc,cd->abcd', A36, t37, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A36, A36, optimize=[(0, 1)])
+    t39 = (1/(L*d_K*n_batch)) * t30
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t39, M_2, X, W_V, t12, dA38, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -15157,36 +14790,35 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23.transpose(-1, -2)
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = W_Q.transpose(-1, -2)
-    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = t0 @ t24
+    t26 = W_Q.transpose(-1, -2)
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t28 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = oe.contract('abc,cd->abcd', A30, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A30, A30, optimize=[(0, 1)])
-    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return t34
+    dA31 = oe.contract('abc,cd->abcd', A29, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A29, A29, optimize=[(0, 1)])
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t26, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t25, t26, M_2, X, W_V, t10, dA31, t18, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t26, t0, M_3, X, W_K, t26, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t26, t0, M_3, X, W_K, t26, M_2, X, W_V, t10, dA31, t18, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t26, M_2, X, W_V, t10, dA31, t18, M_2, X, W_K, t26, M_2, X, W_V, t10, dA31, t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return t33
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -15232,22 +14864,21 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = t13 * A25
-    t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = t20 @ t2
-    t31 = G @ t30
-    t32 = t31 - (A * t31).sum(-1, keepdim=True)
-    t33 = A * t32
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t20 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t33, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t33, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t33, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t32, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t34 = (1/(d_K*n_batch)) * t1
-    t35 = oe.contract('ab,cbd,cde,ef->afcd', t34, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t33 = (1/(d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cbd,cde,ef->afcd', t33, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -15288,21 +14919,20 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t19 @ t1
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t19 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return t31
+    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -15345,14 +14975,13 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t13 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('ab,cdb,cde->aecd', t26, X, G, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -15392,13 +15021,12 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t12 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, W_V, t12, dA18, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, W_V, t12, dA18, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -15494,31 +15122,30 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t23 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 = M_1.transpose(-1, -2)
-    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t30 = W_V.transpose(-1, -2)
-    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t32 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA29, t30, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    dA28 = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t29 = W_V.transpose(-1, -2)
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA28, t29, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -15547,26 +15174,25 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t20 = M_1.transpose(-1, -2)
+    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t26 = W_V.transpose(-1, -2)
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t19, M_2, X, W_K, t21, t1, dA25, t26, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t21, t1, dA25, t26, M_2, X, W_K, t21, t1, dA25, t26, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    dA24 = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t18, M_2, X, W_K, t18, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t18, M_2, X, W_K, t20, t1, dA24, t25, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t20, t1, dA24, t25, M_2, X, W_K, t20, t1, dA24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -15596,31 +15222,30 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t24 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
-    t25 = M_1.transpose(-1, -2)
-    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t30 = W_V.transpose(-1, -2)
-    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t32 = oe.contract('abc,acd,de->beac', t31, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('abc,abcd,de,abef->cfab', t2, dA29, t30, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    dA28 = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t29 = W_V.transpose(-1, -2)
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('abc,abcd,de,abef->cfab', t2, dA28, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -15649,26 +15274,25 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t20 = M_1.transpose(-1, -2)
+    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t26 = W_V.transpose(-1, -2)
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t19, M_2, X, W_Q, t21, t1, dA25, t26, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t21, t1, dA25, t26, M_2, X, W_Q, t21, t1, dA25, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    dA24 = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t18, M_2, X, W_Q, t18, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t18, M_2, X, W_Q, t20, t1, dA24, t25, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t20, t1, dA24, t25, M_2, X, W_Q, t20, t1, dA24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -15774,25 +15398,24 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t11 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t18 @ t1
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t18 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t31 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t32 = t19 + t30 + t31
-    t33 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t33, t34, t35,)
+    t29 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t30 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t31 = t19 + t29 + t30
+    t32 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return (t32, t33, t34,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -15832,27 +15455,26 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t11 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = t18 @ t1
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
-    t30 = t29 @ X
-    t31 = t1 @ t30
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = t18 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    t29 = t28 @ X
+    t30 = t1 @ t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t31, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,ka,lfj->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t31, optimize=[(4, 5), (0, 7), (1, 6), (3, 7), (2, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nfo,nomj,nop,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(4, 5), (0, 8), (1, 7), (4, 5), (5, 6), (8, 9), (7, 8), (0, 1), (3, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)])
-    t34 = t19 + t32 + t33
-    t35 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t36 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t35, t36, t37,)
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t30, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t32 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,ka,lfj->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t30, optimize=[(4, 5), (0, 7), (1, 6), (3, 7), (2, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nfo,nomj,nop,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(4, 5), (0, 8), (1, 7), (4, 5), (5, 6), (8, 9), (7, 8), (0, 1), (3, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)])
+    t33 = t19 + t31 + t32
+    t34 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return (t34, t35, t36,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -15891,17 +15513,16 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = t11 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = t18 + t25 + t26
-    t28 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return (t28, t29, t30,)
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = t18 + t24 + t25
+    t27 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
 
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -15942,28 +15563,27 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t12 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t19 @ t1
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdim=True)
-    t30 = A * t29
-    t31 = t30.transpose(-1, -2)
-    t32 = t31 @ X
-    t33 = t1 @ t32
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t19 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    t30 = t29.transpose(-1, -2)
+    t31 = t30 @ X
+    t32 = t1 @ t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t33, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t35 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,ja,lfk->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t33, optimize=[(4, 5), (0, 2), (4, 6), (0, 7), (0, 6), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nmo,nofp,nok,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t36 = t20 + t34 + t35
-    t37 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t38 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t39 = torch.sqrt(torch.clamp(t36, min=0.0))
-    return (t37, t38, t39,)
+    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t34 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,ja,lfk->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t32, optimize=[(4, 5), (0, 2), (4, 6), (0, 7), (0, 6), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nmo,nofp,nok,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = t20 + t33 + t34
+    t36 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t38 = torch.sqrt(torch.clamp(t35, min=0.0))
+    return (t36, t37, t38,)
 
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -16004,25 +15624,24 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t12 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t19 @ t1
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdim=True)
-    t30 = A * t29
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t19 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t32 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t33 = t20 + t31 + t32
-    t34 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t35 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t36 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return (t34, t35, t36,)
+    t30 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t31 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t32 = t20 + t30 + t31
+    t33 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, t34, t35,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -16062,17 +15681,16 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t28 = t19 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t26 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = t19 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -16113,18 +15731,17 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t12 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t27, M_2, X, W_K, t27, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jdk,jkbl,jkh,li->', t10, t12, dA, t17, M_2, X, W_K, t27, M_2, X, W_K, optimize=[(1, 2), (1, 9), (1, 8), (0, 4), (0, 3), (0, 2), (2, 3), (1, 2), (1, 2), (0, 1)])
-    t30 = t20 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t26, M_2, X, W_K, t26, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jdk,jkbl,jkh,li->', t10, t12, dA, t17, M_2, X, W_K, t26, M_2, X, W_K, optimize=[(1, 2), (1, 9), (1, 8), (0, 4), (0, 3), (0, 2), (2, 3), (1, 2), (1, 2), (0, 1)])
+    t29 = t20 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -16165,18 +15782,17 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t12 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t27, M_2, X, W_Q, t27, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jdk,jkbg,jkl,li->', t10, t12, dA, t17, M_2, X, W_Q, t27, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (5, 6), (6, 7), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t30 = t20 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t26, M_2, X, W_Q, t26, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jdk,jkbg,jkl,li->', t10, t12, dA, t17, M_2, X, W_Q, t26, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (5, 6), (6, 7), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = t20 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):

@@ -26,13 +26,12 @@ def mse_bias0_residual0__loss(X, W_1, W_2, Y):
     t0 = X @ W_1
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     t2 = t1 @ W_2
-    t3 = -Y
-    t4 = t2 + t3
-    t5 = t4 * t4
-    t6 = t5.sum(-1, keepdim=True)
-    t7 = t6.sum(-2, keepdim=True)
-    t8 = (1/(L*d_V)) * t7
-    return t8.mean(0)[0, 0]
+    t3 = t2 - Y
+    t4 = t3 * t3
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = (1/(L*d_V)) * t6
+    return (t7[0] if n_batch == 1 else t7.mean(0))[0, 0]
 
 
 def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
@@ -47,19 +46,17 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = W_2.transpose(-1, -2)
-    t9 = G @ t8
-    t10 = t2 * t9
-    t11 = t0 @ t10
-    t12 = W_1.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = (t13 * torch.heaviside(t13, torch.full_like(t13, 0.0)))
-    t15 = t14 @ G
-    return (t11.mean(0), t15.mean(0),)
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = W_2.transpose(-1, -2)
+    t8 = G @ t7
+    t9 = t2 * t8
+    t10 = t0 @ t9
+    t11 = t1.transpose(-1, -2)
+    t12 = t3.transpose(-1, -2)
+    t13 = t12 @ G
+    return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
 
 
 def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
@@ -84,19 +81,18 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t12 = t11.view((d_ff, d_V, d_V, d_ff))
-    t13 = W_1.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = (t14 * torch.heaviside(t14, torch.full_like(t14, 0.0)))
-    t16 = (2/(L*d_V*n_batch)) * t15
-    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t16, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t17 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t17[...] = 0
-    t18 = t17.view((d_ff, d_V, d_ff, d_V))
-    t19 = t18.diagonal(0, 1, 3)
-    t20 = t15 @ t10
-    t21 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t19 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t13 = t3.transpose(-1, -2)
+    t14 = t10.transpose(-1, -2)
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t15, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t16 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t16[...] = 0
+    t17 = t16.view((d_ff, d_V, d_ff, d_V))
+    t18 = t17.diagonal(0, 1, 3)
+    t19 = t14 @ t10
+    t20 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t21 = (2/(L*d_V*n_batch)) * t20
+    t18 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
     return H
 
 
@@ -111,21 +107,19 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = t3 @ V_W_2
-    t5 = (2/(L*d_V)) * t4
-    t6 = X @ V_W_1
-    t7 = t2 * t6
-    t8 = t7 @ W_2
+    t5 = X @ V_W_1
+    t6 = t2 * t5
+    t7 = t6 @ W_2
+    t8 = t4 + t7
     t9 = (2/(L*d_V)) * t8
-    t10 = t5 + t9
-    t11 = W_2.transpose(-1, -2)
-    t12 = t10 @ t11
-    t13 = t2 * t12
-    t14 = t0 @ t13
-    t15 = W_1.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = (t16 * torch.heaviside(t16, torch.full_like(t16, 0.0)))
-    t18 = t17 @ t10
-    return (t14.mean(0), t18.mean(0),)
+    t10 = W_2.transpose(-1, -2)
+    t11 = t9 @ t10
+    t12 = t2 * t11
+    t13 = t0 @ t12
+    t14 = t1.transpose(-1, -2)
+    t15 = t3.transpose(-1, -2)
+    t16 = t15 @ t9
+    return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
@@ -144,15 +138,14 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t7 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t10 = W_1.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = (t11 * torch.heaviside(t11, torch.full_like(t11, 0.0)))
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t12, t3, t2, X, t12, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t15 = t12 @ t7
-    t16 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t6, t9, t14, t17,)
+    t10 = t1.transpose(-1, -2)
+    t11 = t7.transpose(-1, -2)
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t11, t3, t2, X, t11, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t14 = t11 @ t7
+    t15 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return (t6, t9, t13, t16,)
 
 
 def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -265,8 +258,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t2 = X.transpose(-1, -2)
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t5 = X @ W_1
-    t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
+    t5 = t3.transpose(-1, -2)
+    t6 = t4.transpose(-1, -2)
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -284,8 +277,8 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = X @ W_1
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t4 = t2.transpose(-1, -2)
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -303,10 +296,11 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = W_2.transpose(-1, -2)
-    t6 = X @ W_1
-    t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t6 = t3.transpose(-1, -2)
+    t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t8 = t7.transpose(-1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -321,11 +315,12 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
-    t5 = X @ W_1
-    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    t5 = t2.transpose(-1, -2)
+    t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t7 = t6.transpose(-1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return t9
 
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -342,8 +337,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t4.transpose(-1, -2)
+    t7 = t5.transpose(-1, -2)
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -361,8 +356,8 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = X @ W_1
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t4 = t2.transpose(-1, -2)
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
@@ -388,28 +383,26 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t7 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
     t8 = t7 @ W_2
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/n_batch) * t4
-    t13 = oe.contract('abc,acd->bdac', t12, t6, optimize=[(0, 1)])
-    t14 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t3 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t15[...] = 0
-    t16 = t15.view((d_ff, d_V, d_V, d_ff))
-    t17 = t16.diagonal(0, 0, 3)
-    t18 = G.transpose(-1, -2)
-    t19 = W_1.transpose(-1, -2)
-    t20 = t19 @ t4
-    t21 = torch.heaviside(t20, torch.full_like(t20, 0.0))
-    t22 = (1/n_batch) * t18
-    t23 = oe.contract('abc,adc->bdac', t22, t21, optimize=[(0, 1)])
-    t24 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t17 += oe.contract('abcd,ecd->aeb', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t25[...] = 0
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (1/n_batch) * t4
+    t12 = oe.contract('abc,acd->bdac', t11, t6, optimize=[(0, 1)])
+    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t3 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
+    t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t14[...] = 0
+    t15 = t14.view((d_ff, d_V, d_V, d_ff))
+    t16 = t15.diagonal(0, 0, 3)
+    t17 = G.transpose(-1, -2)
+    t18 = t5.transpose(-1, -2)
+    t19 = t6.transpose(-1, -2)
+    t20 = (1/n_batch) * t17
+    t21 = oe.contract('abc,adc->bdac', t20, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t16 += oe.contract('abcd,ecd->aeb', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
     return H
 
 
@@ -425,22 +418,20 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = V_W_2.transpose(-1, -2)
-    t9 = G @ t8
-    t10 = t2 * t9
-    t11 = t0 @ t10
-    t12 = W_1.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = torch.heaviside(t13, torch.full_like(t13, 0.0))
-    t15 = V_W_1.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = t14 * t16
-    t18 = t17 @ G
-    return (t11.mean(0), t18.mean(0),)
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = V_W_2.transpose(-1, -2)
+    t8 = G @ t7
+    t9 = t2 * t8
+    t10 = t0 @ t9
+    t11 = t1.transpose(-1, -2)
+    t12 = t2.transpose(-1, -2)
+    t13 = V_W_1.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = t12 * t14
+    t16 = t15 @ G
+    return ((t10[0] if n_batch == 1 else t10.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
@@ -455,19 +446,17 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t10 = G.transpose(-1, -2)
-    t11 = W_1.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = torch.heaviside(t12, torch.full_like(t12, 0.0))
-    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t10, t13, X, t10, t13, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return (0.0, t9, t15, 0.0,)
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t9 = G.transpose(-1, -2)
+    t10 = t1.transpose(-1, -2)
+    t11 = t2.transpose(-1, -2)
+    t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return (0.0, t8, t13, 0.0,)
 
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -526,14 +515,13 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t5 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t6 = t5 @ W_2
     F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = (1/n_batch) * t2
-    t11 = oe.contract('abc,acd->bdac', t10, t4, optimize=[(0, 1)])
-    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t1 += oe.contract('abcd,ecd->aeb', t11, t12, optimize=[(0, 1)])
+    t7 = F - Y
+    t8 = (2/(L*d_V)) * t7
+    G = t8
+    t9 = (1/n_batch) * t2
+    t10 = oe.contract('abc,acd->bdac', t9, t4, optimize=[(0, 1)])
+    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -549,13 +537,12 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
+    return t8
 
 
 def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -592,19 +579,17 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = G.transpose(-1, -2)
-    t9 = W_1.transpose(-1, -2)
-    t10 = X.transpose(-1, -2)
-    t11 = t9 @ t10
-    t12 = torch.heaviside(t11, torch.full_like(t11, 0.0))
-    t13 = (1/n_batch) * t8
-    t14 = oe.contract('abc,adc->bdac', t13, t12, optimize=[(0, 1)])
-    t15 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = G.transpose(-1, -2)
+    t8 = t2.transpose(-1, -2)
+    t9 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t10 = t9.transpose(-1, -2)
+    t11 = (1/n_batch) * t7
+    t12 = oe.contract('abc,adc->bdac', t11, t10, optimize=[(0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -618,18 +603,16 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
     t2 = t1 @ W_2
     F = t2
-    t3 = (2/(L*d_V)) * F
-    t4 = (-2/(L*d_V)) * Y
-    t5 = t3 + t4
-    G = t5
-    t6 = G.transpose(-1, -2)
-    t7 = W_1.transpose(-1, -2)
-    t8 = X.transpose(-1, -2)
-    t9 = t7 @ t8
-    t10 = torch.heaviside(t9, torch.full_like(t9, 0.0))
-    t11 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t6, t10, X, t6, t10, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t3 = F - Y
+    t4 = (2/(L*d_V)) * t3
+    G = t4
+    t5 = G.transpose(-1, -2)
+    t6 = t0.transpose(-1, -2)
+    t7 = torch.heaviside(t0, torch.full_like(t0, 0.0))
+    t8 = t7.transpose(-1, -2)
+    t9 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t8, X, t5, t8, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
 
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -675,36 +658,34 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t11 = t9.diagonal(0, 1, 2)
     t12 = t10 @ W_2
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/n_batch) * t2
-    t17 = oe.contract('abc,acd->bdac', t16, t4, optimize=[(0, 1)])
-    t18 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t11 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t20 = t19.view((d_ff, d_V, d_V, d_ff))
-    t21 = W_1.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = (t22 * torch.heaviside(t22, torch.full_like(t22, 0.0)))
-    t24 = (2/(L*d_V*n_batch)) * t23
-    t20[...] = oe.contract('abc,de,ace,acf->bdfe', t24, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t25 = t20.diagonal(0, 0, 3)
-    t26 = G.transpose(-1, -2)
-    t27 = torch.heaviside(t22, torch.full_like(t22, 0.0))
-    t28 = (1/n_batch) * t26
-    t29 = oe.contract('abc,adc->bdac', t28, t27, optimize=[(0, 1)])
-    t30 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t25 += oe.contract('abcd,ecd->aeb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t31[...] = 0
-    t32 = t31.view((d_ff, d_V, d_ff, d_V))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = t23 @ t10
-    t35 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t36 = (2/(L*d_V*n_batch)) * t35
-    t33 += oe.contract('abc,d->bcd', t34, t36, optimize=[(0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/n_batch) * t2
+    t16 = oe.contract('abc,acd->bdac', t15, t4, optimize=[(0, 1)])
+    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t11 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
+    t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t19 = t18.view((d_ff, d_V, d_V, d_ff))
+    t20 = t3.transpose(-1, -2)
+    t21 = t10.transpose(-1, -2)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = t19.diagonal(0, 0, 3)
+    t24 = G.transpose(-1, -2)
+    t25 = t4.transpose(-1, -2)
+    t26 = (1/n_batch) * t24
+    t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
+    t28 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t23 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = t29.view((d_ff, d_V, d_ff, d_V))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t21 @ t10
+    t33 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t34 = (2/(L*d_V*n_batch)) * t33
+    t31 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
     return H
 
 
@@ -718,36 +699,32 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t1 = X @ W_1
     t2 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t3 = t2 @ V_W_2
-    t4 = (2/(L*d_V)) * t3
-    t5 = torch.heaviside(t1, torch.full_like(t1, 0.0))
-    t6 = X @ V_W_1
-    t7 = t5 * t6
-    t8 = t7 @ W_2
+    t4 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    t5 = X @ V_W_1
+    t6 = t4 * t5
+    t7 = t6 @ W_2
+    t8 = t3 + t7
     t9 = (2/(L*d_V)) * t8
-    t10 = t4 + t9
-    t11 = W_2.transpose(-1, -2)
-    t12 = t10 @ t11
-    t13 = t2 @ W_2
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    t17 = V_W_2.transpose(-1, -2)
-    t18 = t16 @ t17
-    t19 = t12 + t18
-    t20 = t19 * t5
-    t21 = t0 @ t20
-    t22 = W_1.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = (t23 * torch.heaviside(t23, torch.full_like(t23, 0.0)))
-    t25 = t24 @ t10
-    t26 = torch.heaviside(t23, torch.full_like(t23, 0.0))
-    t27 = V_W_1.transpose(-1, -2)
-    t28 = t27 @ t0
-    t29 = t26 * t28
-    t30 = t29 @ t16
-    t31 = t25 + t30
-    return (t21.mean(0), t31.mean(0),)
+    t10 = W_2.transpose(-1, -2)
+    t11 = t9 @ t10
+    t12 = t2 @ W_2
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    t15 = V_W_2.transpose(-1, -2)
+    t16 = t14 @ t15
+    t17 = t11 + t16
+    t18 = t17 * t4
+    t19 = t0 @ t18
+    t20 = t1.transpose(-1, -2)
+    t21 = t2.transpose(-1, -2)
+    t22 = t21 @ t9
+    t23 = t4.transpose(-1, -2)
+    t24 = t5.transpose(-1, -2)
+    t25 = t23 * t24
+    t26 = t25 @ t14
+    t27 = t22 + t26
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
@@ -766,23 +743,21 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t7 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t8 = t7 @ W_2
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = W_1.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = (t15 * torch.heaviside(t15, torch.full_like(t15, 0.0)))
-    t17 = G.transpose(-1, -2)
-    t18 = torch.heaviside(t15, torch.full_like(t15, 0.0))
-    t19 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t16, t3, t2, X, t16, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t16, t3, t2, X, t17, t18, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t17, t18, X, t17, t18, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = t16 @ t7
-    t22 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t6, t13, t20, t23,)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t13 = t1.transpose(-1, -2)
+    t14 = t7.transpose(-1, -2)
+    t15 = G.transpose(-1, -2)
+    t16 = t2.transpose(-1, -2)
+    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t14, t3, t2, X, t14, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t14, t3, t2, X, t15, t16, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t15, t16, X, t15, t16, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = t14 @ t7
+    t20 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t6, t12, t18, t21,)
 
 
 def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -868,14 +843,13 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t6 = t0.diagonal(0, 1, 2)
     t7 = t4 @ W_2
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = (1/n_batch) * t1
-    t12 = oe.contract('abc,acd->bdac', t11, t3, optimize=[(0, 1)])
-    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t6 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = (1/n_batch) * t1
+    t11 = oe.contract('abc,acd->bdac', t10, t3, optimize=[(0, 1)])
+    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t6 += oe.contract('abcd,ecd->aeb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -891,13 +865,12 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = t3 @ W_2
     F = t4
-    t5 = (2/(L*d_V)) * F
-    t6 = (-2/(L*d_V)) * Y
-    t7 = t5 + t6
-    G = t7
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t5 = F - Y
+    t6 = (2/(L*d_V)) * t5
+    G = t6
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
+    return t8
 
 
 def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -912,8 +885,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t2 = X.transpose(-1, -2)
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t5 = X @ W_1
-    t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
+    t5 = t3.transpose(-1, -2)
+    t6 = t4.transpose(-1, -2)
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -931,8 +904,8 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = X @ W_1
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t4 = t2.transpose(-1, -2)
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -950,24 +923,23 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = W_2.transpose(-1, -2)
-    t6 = X @ W_1
-    t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t9 = t0.diagonal(0, 0, 3)
-    t10 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
-    t11 = t10 @ W_2
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
+    t6 = t3.transpose(-1, -2)
+    t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t8 = t7.transpose(-1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 = t0.diagonal(0, 0, 3)
+    t11 = t4.transpose(-1, -2)
+    t12 = t11 @ W_2
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = G.transpose(-1, -2)
-    t16 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t17 = (1/n_batch) * t15
-    t18 = oe.contract('abc,adc->bdac', t17, t16, optimize=[(0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t9 += oe.contract('abcd,ecd->aeb', t18, t19, optimize=[(0, 1)])
+    t16 = (1/n_batch) * t15
+    t17 = oe.contract('abc,adc->bdac', t16, t7, optimize=[(0, 1)])
+    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t10 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -982,20 +954,19 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
-    t5 = X @ W_1
-    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
-    t7 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
-    t8 = t7 @ W_2
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
+    t5 = t2.transpose(-1, -2)
+    t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t7 = t6.transpose(-1, -2)
+    t8 = t3.transpose(-1, -2)
+    t9 = t8 @ W_2
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = G.transpose(-1, -2)
-    t13 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t12, t13, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t13, X, t12, t13, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t12, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t6, X, t12, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -1012,8 +983,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t4.transpose(-1, -2)
+    t7 = t5.transpose(-1, -2)
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -1031,8 +1002,8 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = X @ W_1
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t4 = t2.transpose(-1, -2)
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
@@ -1070,17 +1041,16 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t5 = t3 @ W_2
     F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
-    t11 = t4 + t9 + t10
-    t12 = torch.sqrt(torch.clamp(t4, min=0.0))
-    t13 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t14 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return (t12, t13, t14,)
+    t6 = F - Y
+    t7 = (2/(L*d_V)) * t6
+    G = t7
+    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t9 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
+    t10 = t4 + t8 + t9
+    t11 = torch.sqrt(torch.clamp(t4, min=0.0))
+    t12 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t13 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return (t11, t12, t13,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -1094,25 +1064,24 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
-    t5 = X @ W_1
-    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
-    t9 = t8 @ W_2
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
+    t5 = t2.transpose(-1, -2)
+    t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t7 = t6.transpose(-1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = t3.transpose(-1, -2)
+    t10 = t9 @ W_2
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = G.transpose(-1, -2)
-    t14 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t15 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t14, X, t13, t14, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t13, t14, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = t7 + t15 + t16
-    t18 = torch.sqrt(torch.clamp(t7, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, t19, t20,)
+    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t6, X, t13, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t13, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = t8 + t14 + t15
+    t17 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, t18, t19,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -1125,8 +1094,8 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = X @ W_1
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t4 = t2.transpose(-1, -2)
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = t7 + 0.0 + 0.0
@@ -1210,7 +1179,7 @@ def ce_bias0_residual0__loss(X, W_1, W_2, Y):
     t6 = t5.sum(-1, keepdim=True)
     t7 = t6.sum(-2, keepdim=True)
     t8 = (-1/L) * t7
-    return t8.mean(0)[0, 0]
+    return (t8[0] if n_batch == 1 else t8.mean(0))[0, 0]
 
 
 def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
@@ -1230,19 +1199,17 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t7 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_2.transpose(-1, -2)
-    t13 = G @ t12
-    t14 = t2 * t13
-    t15 = t0 @ t14
-    t16 = W_1.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = (t17 * torch.heaviside(t17, torch.full_like(t17, 0.0)))
-    t19 = t18 @ G
-    return (t15.mean(0), t19.mean(0),)
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = W_2.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = t2 * t12
+    t14 = t0 @ t13
+    t15 = t1.transpose(-1, -2)
+    t16 = t5.transpose(-1, -2)
+    t17 = t16 @ G
+    return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
 
 
 def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
@@ -1278,15 +1245,14 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t20 = t19.view((d_ff, d_V, d_V, d_ff))
-    t21 = W_1.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = (t22 * torch.heaviside(t22, torch.full_like(t22, 0.0)))
-    t24 = (1/(L*n_batch)) * t23
-    t25 = oe.contract('abc,acd,acde,ef,acf->bdfac', t24, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t20[...] = oe.contract('abcde,fde->abfc', t25, t14, optimize=[(0, 1)])
-    t26 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t27 = t26.view((d_ff, d_V, d_ff, d_V))
-    t27[...] = oe.contract('abc,acd,acde,acf->bdfe', t24, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t21 = t3.transpose(-1, -2)
+    t22 = t7.transpose(-1, -2)
+    t23 = (1/(L*n_batch)) * t22
+    t24 = oe.contract('abc,acd,acde,ef,acf->bdfac', t23, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t26 = t25.view((d_ff, d_V, d_ff, d_V))
+    t26[...] = oe.contract('abc,acd,acde,acf->bdfe', t23, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -1318,12 +1284,11 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t2 * t17
     t19 = t0 @ t18
     t20 = (1/L) * t19
-    t21 = W_1.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = (t22 * torch.heaviside(t22, torch.full_like(t22, 0.0)))
-    t24 = t23 @ t15
-    t25 = (1/L) * t24
-    return (t20.mean(0), t25.mean(0),)
+    t21 = t1.transpose(-1, -2)
+    t22 = t5.transpose(-1, -2)
+    t23 = t22 @ t15
+    t24 = (1/L) * t23
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
@@ -1349,14 +1314,13 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t11 = torch.sqrt(torch.clamp(t10, min=0.0))
     t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = W_1.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = (t15 * torch.heaviside(t15, torch.full_like(t15, 0.0)))
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t16, t4, dA, t9, t2, X, t16, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t16, t4, dA, t5, t16, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t11, t13, t18, t20,)
+    t14 = t1.transpose(-1, -2)
+    t15 = t5.transpose(-1, -2)
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t15, t4, dA, t9, t2, X, t15, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t15, t4, dA, t5, t15, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t11, t13, t17, t19,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1523,8 +1487,8 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = X @ W_1
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t7 = t3.transpose(-1, -2)
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -1550,8 +1514,8 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -1575,8 +1539,8 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = X @ W_1
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t7 = t3.transpose(-1, -2)
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -1584,11 +1548,12 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = W_2.transpose(-1, -2)
-    t13 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
+    t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t14 = t13.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1604,8 +1569,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -1613,10 +1578,11 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t13 = t12.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1633,8 +1599,8 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = X @ W_1
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t7 = t3.transpose(-1, -2)
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -1658,8 +1624,8 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -1695,28 +1661,26 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t8 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/n_batch) * t4
-    t17 = oe.contract('abc,acd->bdac', t16, t6, optimize=[(0, 1)])
-    t18 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t3 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t19[...] = 0
-    t20 = t19.view((d_ff, d_V, d_V, d_ff))
-    t21 = t20.diagonal(0, 0, 3)
-    t22 = G.transpose(-1, -2)
-    t23 = W_1.transpose(-1, -2)
-    t24 = t23 @ t4
-    t25 = torch.heaviside(t24, torch.full_like(t24, 0.0))
-    t26 = (1/n_batch) * t22
-    t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
-    t28 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t21 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t29[...] = 0
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (1/n_batch) * t4
+    t16 = oe.contract('abc,acd->bdac', t15, t6, optimize=[(0, 1)])
+    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t3 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
+    t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t18[...] = 0
+    t19 = t18.view((d_ff, d_V, d_V, d_ff))
+    t20 = t19.diagonal(0, 0, 3)
+    t21 = G.transpose(-1, -2)
+    t22 = t5.transpose(-1, -2)
+    t23 = t6.transpose(-1, -2)
+    t24 = (1/n_batch) * t21
+    t25 = oe.contract('abc,adc->bdac', t24, t23, optimize=[(0, 1)])
+    t26 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t20 += oe.contract('abcd,ecd->aeb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
     return H
 
 
@@ -1737,22 +1701,20 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t7 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = V_W_2.transpose(-1, -2)
-    t13 = G @ t12
-    t14 = t2 * t13
-    t15 = t0 @ t14
-    t16 = W_1.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = torch.heaviside(t17, torch.full_like(t17, 0.0))
-    t19 = V_W_1.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = t18 * t20
-    t22 = t21 @ G
-    return (t15.mean(0), t22.mean(0),)
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = V_W_2.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = t2 * t12
+    t14 = t0 @ t13
+    t15 = t1.transpose(-1, -2)
+    t16 = t2.transpose(-1, -2)
+    t17 = V_W_1.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t16 * t18
+    t20 = t19 @ G
+    return ((t14[0] if n_batch == 1 else t14.mean(0)), (t20[0] if n_batch == 1 else t20.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
@@ -1772,19 +1734,17 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t7 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = G.transpose(-1, -2)
-    t15 = W_1.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = torch.heaviside(t16, torch.full_like(t16, 0.0))
-    t18 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t14, t17, X, t14, t17, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (0.0, t13, t19, 0.0,)
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t13 = G.transpose(-1, -2)
+    t14 = t1.transpose(-1, -2)
+    t15 = t2.transpose(-1, -2)
+    t16 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t15, X, t13, t15, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (0.0, t12, t17, 0.0,)
 
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -1848,14 +1808,13 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = t6 * A
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/n_batch) * t2
-    t15 = oe.contract('abc,acd->bdac', t14, t4, optimize=[(0, 1)])
-    t16 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t1 += oe.contract('abcd,ecd->aeb', t15, t16, optimize=[(0, 1)])
+    t11 = t10 - Y
+    t12 = (1/L) * t11
+    G = t12
+    t13 = (1/n_batch) * t2
+    t14 = oe.contract('abc,acd->bdac', t13, t4, optimize=[(0, 1)])
+    t15 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1876,13 +1835,12 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t7 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = t4 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -1924,19 +1882,17 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t7 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = t3 * A
-    t9 = (1/L) * t8
-    t10 = (-1/L) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = W_1.transpose(-1, -2)
-    t14 = X.transpose(-1, -2)
-    t15 = t13 @ t14
-    t16 = torch.heaviside(t15, torch.full_like(t15, 0.0))
-    t17 = (1/n_batch) * t12
-    t18 = oe.contract('abc,adc->bdac', t17, t16, optimize=[(0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1 += oe.contract('abcd,ecd->aeb', t18, t19, optimize=[(0, 1)])
+    t9 = t8 - Y
+    t10 = (1/L) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = t4.transpose(-1, -2)
+    t13 = torch.heaviside(t4, torch.full_like(t4, 0.0))
+    t14 = t13.transpose(-1, -2)
+    t15 = (1/n_batch) * t11
+    t16 = oe.contract('abc,adc->bdac', t15, t14, optimize=[(0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1955,18 +1911,16 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t5 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = t1 * A
-    t7 = (1/L) * t6
-    t8 = (-1/L) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = G.transpose(-1, -2)
-    t11 = W_1.transpose(-1, -2)
-    t12 = X.transpose(-1, -2)
-    t13 = t11 @ t12
-    t14 = torch.heaviside(t13, torch.full_like(t13, 0.0))
-    t15 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t10, t14, X, t10, t14, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t7 = t6 - Y
+    t8 = (1/L) * t7
+    G = t8
+    t9 = G.transpose(-1, -2)
+    t10 = t2.transpose(-1, -2)
+    t11 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t12 = t11.transpose(-1, -2)
+    t13 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t12, X, t9, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -2025,31 +1979,29 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t6 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = (1/n_batch) * t2
-    t27 = oe.contract('abc,acd->bdac', t26, t4, optimize=[(0, 1)])
-    t28 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t19 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t30 = t29.view((d_ff, d_V, d_V, d_ff))
-    t31 = W_1.transpose(-1, -2)
-    t32 = t31 @ t2
-    t33 = (t32 * torch.heaviside(t32, torch.full_like(t32, 0.0)))
-    t34 = (1/(L*n_batch)) * t33
-    t35 = oe.contract('abc,acd,acde,ef,acf->bdfac', t34, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t30[...] = oe.contract('abcde,fde->abfc', t35, t14, optimize=[(0, 1)])
-    t36 = t30.diagonal(0, 0, 3)
-    t37 = G.transpose(-1, -2)
-    t38 = torch.heaviside(t32, torch.full_like(t32, 0.0))
-    t39 = (1/n_batch) * t37
-    t40 = oe.contract('abc,adc->bdac', t39, t38, optimize=[(0, 1)])
-    t36 += oe.contract('abcd,ecd->aeb', t40, t14, optimize=[(0, 1)])
-    t41 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t42 = t41.view((d_ff, d_V, d_ff, d_V))
-    t42[...] = oe.contract('abc,acd,acde,acf->bdfe', t34, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/n_batch) * t2
+    t26 = oe.contract('abc,acd->bdac', t25, t4, optimize=[(0, 1)])
+    t27 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t19 += oe.contract('abcd,ecd->aeb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t29 = t28.view((d_ff, d_V, d_V, d_ff))
+    t30 = t3.transpose(-1, -2)
+    t31 = t7.transpose(-1, -2)
+    t32 = (1/(L*n_batch)) * t31
+    t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
+    t34 = t29.diagonal(0, 0, 3)
+    t35 = G.transpose(-1, -2)
+    t36 = t4.transpose(-1, -2)
+    t37 = (1/n_batch) * t35
+    t38 = oe.contract('abc,adc->bdac', t37, t36, optimize=[(0, 1)])
+    t34 += oe.contract('abcd,ecd->aeb', t38, t14, optimize=[(0, 1)])
+    t39 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t40 = t39.view((d_ff, d_V, d_ff, d_V))
+    t40[...] = oe.contract('abc,acd,acde,acf->bdfe', t32, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -2069,38 +2021,35 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t6 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = t2 * A
-    t8 = (1/L) * t7
-    t9 = (-1/L) * Y
-    t10 = t8 + t9
-    t11 = V_W_2.transpose(-1, -2)
-    t12 = t10 @ t11
-    t13 = t4 @ V_W_2
-    t14 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t15 = X @ V_W_1
-    t16 = t14 * t15
-    t17 = t16 @ W_2
-    t18 = t13 + t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t2 * t20
-    t22 = W_2.transpose(-1, -2)
-    t23 = t21 @ t22
-    t24 = (1/L) * t23
-    t25 = t12 + t24
-    t26 = t25 * t14
-    t27 = t0 @ t26
-    t28 = W_1.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = (t29 * torch.heaviside(t29, torch.full_like(t29, 0.0)))
-    t31 = t30 @ t21
-    t32 = (1/L) * t31
-    t33 = torch.heaviside(t29, torch.full_like(t29, 0.0))
-    t34 = V_W_1.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = t33 * t35
-    t37 = t36 @ t10
-    t38 = t32 + t37
-    return (t27.mean(0), t38.mean(0),)
+    t8 = t7 - Y
+    t9 = (1/L) * t8
+    t10 = V_W_2.transpose(-1, -2)
+    t11 = t9 @ t10
+    t12 = t4 @ V_W_2
+    t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t14 = X @ V_W_1
+    t15 = t13 * t14
+    t16 = t15 @ W_2
+    t17 = t12 + t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t2 * t19
+    t21 = W_2.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = (1/L) * t22
+    t24 = t11 + t23
+    t25 = t24 * t13
+    t26 = t0 @ t25
+    t27 = t3.transpose(-1, -2)
+    t28 = t4.transpose(-1, -2)
+    t29 = t28 @ t20
+    t30 = (1/L) * t29
+    t31 = t13.transpose(-1, -2)
+    t32 = t14.transpose(-1, -2)
+    t33 = t31 * t32
+    t34 = t33 @ t9
+    t35 = t30 + t34
+    return ((t26[0] if n_batch == 1 else t26.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
@@ -2128,22 +2077,20 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t4 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = W_1.transpose(-1, -2)
-    t21 = t20 @ t0
-    t22 = (t21 * torch.heaviside(t21, torch.full_like(t21, 0.0)))
-    t23 = G.transpose(-1, -2)
-    t24 = torch.heaviside(t21, torch.full_like(t21, 0.0))
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t22, t4, dA, t9, t2, X, t22, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t22, t4, dA, t9, t2, X, t23, t24, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t23, t24, X, t23, t24, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = t1.transpose(-1, -2)
+    t20 = t5.transpose(-1, -2)
+    t21 = G.transpose(-1, -2)
+    t22 = t2.transpose(-1, -2)
+    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t20, t4, dA, t9, t2, X, t20, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t20, t4, dA, t9, t2, X, t21, t22, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t21, t22, X, t21, t22, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t4, dA, t5, t20, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t22, t4, dA, t5, t22, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return (t11, t19, t26, t28,)
+    return (t11, t18, t24, t26,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2275,14 +2222,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t5 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/n_batch) * t1
-    t21 = oe.contract('abc,acd->bdac', t20, t3, optimize=[(0, 1)])
-    t22 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t13 += oe.contract('abcd,ecd->aeb', t21, t22, optimize=[(0, 1)])
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/n_batch) * t1
+    t20 = oe.contract('abc,acd->bdac', t19, t3, optimize=[(0, 1)])
+    t21 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t13 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2308,13 +2254,12 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t9 = torch.exp(F - F.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = t4 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2331,8 +2276,8 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = X @ W_1
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t7 = t3.transpose(-1, -2)
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -2358,8 +2303,8 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2383,8 +2328,8 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = X @ W_1
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t7 = t3.transpose(-1, -2)
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -2392,25 +2337,24 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = W_2.transpose(-1, -2)
-    t13 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
-    t17 = t0.diagonal(0, 0, 3)
+    t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t14 = t13.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t18 = t0.diagonal(0, 0, 3)
     F = t9
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t6 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t6 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
     G = t23
     t24 = G.transpose(-1, -2)
-    t25 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t26 = (1/n_batch) * t24
-    t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
-    t17 += oe.contract('abcd,ecd->aeb', t27, t16, optimize=[(0, 1)])
+    t25 = (1/n_batch) * t24
+    t26 = oe.contract('abc,adc->bdac', t25, t13, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,ecd->aeb', t26, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2426,8 +2370,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2435,20 +2379,19 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
+    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t13 = t12.transpose(-1, -2)
     F = t8
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t5 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t5 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
     G = t18
     t19 = G.transpose(-1, -2)
-    t20 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t19, t20, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t20, X, t19, t20, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t19, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t12, X, t19, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2465,8 +2408,8 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = X @ W_1
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t7 = t3.transpose(-1, -2)
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -2490,8 +2433,8 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2552,17 +2495,16 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = t4 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t18 = t9 + t16 + t17
-    t19 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, t20, t21,)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t17 = t9 + t15 + t16
+    t18 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, t19, t20,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -2577,8 +2519,8 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2586,25 +2528,24 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t13 = t12.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t5 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t5 * A16
+    t18 = t17 - Y
+    t19 = (1/L) * t18
     G = t19
     t20 = G.transpose(-1, -2)
-    t21 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t22 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t21, X, t20, t21, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t20, t21, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
-    t24 = t13 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t12, X, t20, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t20, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
+    t23 = t14 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -2619,8 +2560,8 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = X @ W_1
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t6 = t2.transpose(-1, -2)
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)

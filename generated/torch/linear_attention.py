@@ -34,13 +34,12 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = X @ W_V
     t7 = T @ t6
-    t8 = -Y
-    t9 = t7 + t8
-    t10 = t9 * t9
-    t11 = t10.sum(-1, keepdim=True)
-    t12 = t11.sum(-2, keepdim=True)
-    t13 = (1/(L*d_V)) * t12
-    return t13.mean(0)[0, 0]
+    t8 = t7 - Y
+    t9 = t8 * t8
+    t10 = t9.sum(-1, keepdim=True)
+    t11 = t10.sum(-2, keepdim=True)
+    t12 = (1/(L*d_V)) * t11
+    return (t12[0] if n_batch == 1 else t12.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -50,37 +49,32 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = W_V.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = t0 @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    t18 = G.transpose(-1, -2)
-    t19 = W_V @ t18
-    t20 = X @ t19
-    t21 = X @ W_Q
-    t22 = t20 @ t21
-    t23 = t0 @ t22
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = T.transpose(-1, -2)
-    t26 = t25 @ G
-    t27 = t0 @ t26
-    return (t17.mean(0), t24.mean(0), t27.mean(0),)
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = t6.transpose(-1, -2)
+    t11 = G @ t10
+    t12 = t0 @ t11
+    t13 = t3.transpose(-1, -2)
+    t14 = t12 @ t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = t11.transpose(-1, -2)
+    t17 = t0 @ t16
+    t18 = t17 @ t1
+    t19 = (1/math.sqrt(d_K)) * t18
+    t20 = T.transpose(-1, -2)
+    t21 = t0 @ t20
+    t22 = t21 @ G
+    return ((t15[0] if n_batch == 1 else t15.mean(0)), (t19[0] if n_batch == 1 else t19.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -95,81 +89,76 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t2 = X.transpose(-1, -2)
     t3 = t2 @ X
     t4 = W_K.transpose(-1, -2)
-    t5 = W_V.transpose(-1, -2)
-    t6 = t4 @ t2
-    t7 = t5 @ t2
+    t5 = t4 @ t2
+    t6 = W_V.transpose(-1, -2)
+    t7 = t6 @ t2
     t8 = W_V @ t7
     t9 = X @ t8
-    t10 = X @ W_K
+    t10 = t5.transpose(-1, -2)
     t11 = t9 @ t10
-    t12 = t6 @ t11
+    t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
     t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
     t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t15 = t14.view((d_V, d_K, d_V, d_K))
     t16 = X @ W_Q
     t17 = t2 @ t16
-    t18 = t9 @ X
-    t19 = t6 @ t18
+    t18 = t11.transpose(-1, -2)
+    t19 = t18 @ X
     t20 = (2/(L*d_K*d_V*n_batch)) * t17
     t15[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = t21.view((d_V, d_K, d_V, d_V))
-    t23 = W_Q @ t6
-    t24 = X @ t23
-    t25 = (1/math.sqrt(d_K)) * t24
-    T = t25
-    t26 = T @ X
-    t27 = t2 @ t26
-    t28 = X @ W_V
-    t29 = t6 @ t28
-    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
-    t22[...] = oe.contract('abc,ade->bdce', t30, t29, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t2 @ t11
-    t34 = W_Q.transpose(-1, -2)
-    t35 = t34 @ t2
-    t36 = t35 @ X
-    t37 = (2/(L*d_K*d_V*n_batch)) * t33
-    t32[...] = oe.contract('abc,ade->bdec', t37, t36, optimize=[(0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t40 = t2 @ t18
-    t41 = t35 @ t16
-    t42 = (2/(L*d_K*d_V*n_batch)) * t40
-    t39[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t45 = t2 @ t28
-    t46 = t35 @ t26
-    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t44[...] = oe.contract('abc,ade->bdec', t47, t46, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t50 = T.transpose(-1, -2)
-    t51 = t50 @ X
-    t52 = t2 @ t51
-    t53 = t7 @ t10
-    t54 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
-    t49[...] = oe.contract('abc,ade->bdce', t54, t53, optimize=[(0, 1)])
-    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t56 = t55.view((d_V, d_V, d_V, d_K))
-    t57 = t50 @ t16
-    t58 = t2 @ t57
-    t59 = t7 @ X
-    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
-    t56[...] = oe.contract('abc,ade->bdec', t60, t59, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
-    t62 = t61.view((d_V, d_V, d_V, d_V))
-    t63 = t62.diagonal(0, 1, 3)
-    t64 = t50 @ T
-    t65 = t64 @ X
-    t66 = t2 @ t65
-    t67 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t68 = (2/(L*d_V*n_batch)) * t67
-    t63 += oe.contract('abc,d->bcd', t66, t68, optimize=[(0, 1)])
+    t23 = t16 @ t5
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = T @ X
+    t26 = t2 @ t25
+    t27 = t7.transpose(-1, -2)
+    t28 = t5 @ t27
+    t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t26
+    t22[...] = oe.contract('abc,ade->bdce', t29, t28, optimize=[(0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = t19.transpose(-1, -2)
+    t33 = t17.transpose(-1, -2)
+    t34 = (2/(L*d_K*d_V*n_batch)) * t32
+    t31[...] = oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = t9 @ X
+    t38 = t2 @ t37
+    t39 = t16.transpose(-1, -2)
+    t40 = t39 @ t16
+    t41 = (2/(L*d_K*d_V*n_batch)) * t38
+    t36[...] = oe.contract('abc,ade->bdce', t41, t40, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = t42.view((d_V, d_K, d_V, d_V))
+    t44 = t2 @ t27
+    t45 = t39 @ t25
+    t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
+    t43[...] = oe.contract('abc,ade->bdec', t46, t45, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t49 = t26.transpose(-1, -2)
+    t50 = t28.transpose(-1, -2)
+    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t49
+    t48[...] = oe.contract('abc,ade->bdce', t51, t50, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = t45.transpose(-1, -2)
+    t55 = t44.transpose(-1, -2)
+    t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
+    t53[...] = oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57[...] = 0
+    t58 = t57.view((d_V, d_V, d_V, d_V))
+    t59 = t58.diagonal(0, 1, 3)
+    t60 = t25.transpose(-1, -2)
+    t61 = t60 @ t25
+    t62 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t63 = (2/(L*d_V*n_batch)) * t62
+    t59 += oe.contract('abc,d->bcd', t61, t63, optimize=[(0, 1)])
     return H
 
 
@@ -184,60 +173,34 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t2 = t1 @ t0
     t3 = V_W_Q @ t2
     t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t5 = X @ W_Q
     t6 = V_W_K.transpose(-1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
-    t12 = X @ W_V
-    t13 = t11 @ t12
-    t14 = (2/(L*d_V)) * t13
-    t15 = W_Q @ t2
-    t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    T = t17
-    t18 = X @ V_W_V
-    t19 = T @ t18
-    t20 = (2/(L*d_V)) * t19
-    t21 = t14 + t20
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = t21 @ t23
-    t25 = X @ W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
+    t11 = X @ W_V
+    t12 = t10 @ t11
+    t13 = t5 @ t2
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = T @ X
+    t16 = t15 @ V_W_V
+    t17 = t12 + t16
+    t18 = (2/(L*d_V)) * t17
+    t19 = t11.transpose(-1, -2)
+    t20 = t18 @ t19
+    t21 = t0 @ t20
+    t22 = t2.transpose(-1, -2)
+    t23 = t21 @ t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = t20.transpose(-1, -2)
+    t26 = t0 @ t25
+    t27 = t26 @ t5
     t28 = (1/math.sqrt(d_K)) * t27
-    t29 = V_W_V.transpose(-1, -2)
-    t30 = T.transpose(-1, -2)
-    t31 = t0 @ t30
-    t32 = t29 @ t31
-    t33 = (2/(L*d_V)) * t32
-    t34 = W_Q.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = V_W_K @ t35
-    t37 = X @ t36
-    t38 = (1/math.sqrt(d_K)) * t37
-    t39 = V_W_Q.transpose(-1, -2)
-    t40 = t39 @ t0
-    t41 = W_K @ t40
-    t42 = X @ t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = t38 + t43
-    t45 = t0 @ t44
-    t46 = t22 @ t45
-    t47 = (2/(L*d_V)) * t46
-    t48 = t33 + t47
-    t49 = W_V @ t48
-    t50 = X @ t49
-    t51 = X @ W_Q
-    t52 = t50 @ t51
-    t53 = t0 @ t52
-    t54 = (1/math.sqrt(d_K)) * t53
-    t55 = t30 @ t21
-    t56 = t0 @ t55
-    return (t28.mean(0), t54.mean(0), t56.mean(0),)
+    t29 = t15.transpose(-1, -2)
+    t30 = t29 @ t18
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -249,63 +212,58 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     t13 = X @ W_Q
     t14 = t0 @ t13
-    t15 = t7 @ X
-    t16 = t4 @ t15
+    t15 = t9.transpose(-1, -2)
+    t16 = t15 @ X
     t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t16, t14, t16, optimize=[(0, 2), (0, 1), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = W_Q @ t4
-    t20 = X @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    T = t21
-    t22 = T @ X
-    t23 = t0 @ t22
-    t24 = X @ W_V
-    t25 = t4 @ t24
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t25, t23, t25, optimize=[(0, 2), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t0 @ t9
-    t29 = W_Q.transpose(-1, -2)
-    t30 = t29 @ t0
-    t31 = t30 @ X
-    t32 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t28, t31, t28, t31, optimize=[(0, 2), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = t0 @ t15
-    t35 = t30 @ t13
-    t36 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t34, t35, t34, t35, optimize=[(0, 2), (0, 1), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = t0 @ t24
-    t39 = t30 @ t22
-    t40 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t38, t39, t38, t39, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = T.transpose(-1, -2)
-    t43 = t42 @ X
-    t44 = t0 @ t43
-    t45 = t5 @ t8
-    t46 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t44, t45, t44, t45, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    t48 = t42 @ t13
-    t49 = t0 @ t48
-    t50 = t5 @ X
-    t51 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t49, t50, t49, t50, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = t13 @ t3
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = T @ X
+    t22 = t0 @ t21
+    t23 = t5.transpose(-1, -2)
+    t24 = t3 @ t23
+    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t24, t22, t24, optimize=[(0, 2), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t16.transpose(-1, -2)
+    t28 = t14.transpose(-1, -2)
+    t29 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t28, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t7 @ X
+    t32 = t0 @ t31
+    t33 = t13.transpose(-1, -2)
+    t34 = t33 @ t13
+    t35 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t32, t34, t32, t34, optimize=[(0, 2), (0, 1), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = t0 @ t23
+    t38 = t33 @ t21
+    t39 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t37, t38, t37, t38, optimize=[(0, 2), (0, 1), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = t22.transpose(-1, -2)
+    t42 = t24.transpose(-1, -2)
+    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = t38.transpose(-1, -2)
+    t46 = t37.transpose(-1, -2)
+    t47 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t45, t46, t45, t46, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
+    t49 = t21.transpose(-1, -2)
+    t50 = t49 @ t21
+    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
     t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    t53 = t42 @ T
-    t54 = t53 @ X
-    t55 = t0 @ t54
-    t56 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t55, t55, optimize=[(0, 1)])
-    t57 = torch.sqrt(torch.clamp(t56, min=0.0))
-    return (t12, t18, t27, t33, t37, t41, t47, t52, t57,)
+    return (t12, t18, t26, t30, t36, t40, t44, t48, t52,)
 
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -319,14 +277,14 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_K.transpose(-1, -2)
-    t4 = W_V.transpose(-1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = t4.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
@@ -341,14 +299,14 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
 
 
@@ -363,14 +321,14 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_K.transpose(-1, -2)
-    t4 = W_V.transpose(-1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = t4.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
@@ -385,14 +343,14 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     return t12
@@ -410,13 +368,13 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t2 = X @ W_Q
     t3 = t1 @ t2
     t4 = W_K.transpose(-1, -2)
-    t5 = W_V.transpose(-1, -2)
-    t6 = t4 @ t1
-    t7 = t5 @ t1
+    t5 = t4 @ t1
+    t6 = W_V.transpose(-1, -2)
+    t7 = t6 @ t1
     t8 = W_V @ t7
     t9 = X @ t8
     t10 = t9 @ X
-    t11 = t6 @ t10
+    t11 = t5 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
     t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
     return out
@@ -432,13 +390,13 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_Q
     t2 = t0 @ t1
     t3 = W_K.transpose(-1, -2)
-    t4 = W_V.transpose(-1, -2)
-    t5 = t3 @ t0
-    t6 = t4 @ t0
+    t4 = t3 @ t0
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t0
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = t8 @ X
-    t10 = t5 @ t9
+    t10 = t4 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     return t12
@@ -507,7 +465,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = W_Q.transpose(-1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
@@ -529,7 +487,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = W_Q.transpose(-1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
 
@@ -597,7 +555,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = W_Q.transpose(-1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
@@ -619,7 +577,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = W_Q.transpose(-1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
@@ -638,15 +596,15 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t2 = X @ W_V
     t3 = t1 @ t2
     t4 = W_Q.transpose(-1, -2)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = t4 @ t1
+    t5 = t4 @ t1
+    t6 = t5.transpose(-1, -2)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t1
+    t9 = t6 @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
     t11 = T @ X
-    t12 = t10 @ t11
+    t12 = t5 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
     t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
     return out
@@ -662,15 +620,15 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_V
     t2 = t0 @ t1
     t3 = W_Q.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = t3 @ t0
+    t4 = t3 @ t0
+    t5 = t4.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
     t10 = T @ X
-    t11 = t9 @ t10
+    t11 = t4 @ t10
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     return t13
@@ -741,7 +699,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = t1 @ t8
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t1
-    t12 = X @ W_K
+    t12 = t3.transpose(-1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
@@ -766,7 +724,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = t0 @ t7
     t9 = W_V.transpose(-1, -2)
     t10 = t9 @ t0
-    t11 = X @ W_K
+    t11 = t2.transpose(-1, -2)
     t12 = t10 @ t11
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
@@ -897,58 +855,50 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t10 = X @ W_V
     t11 = T @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t4
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t4 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t3 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = t22.view((d_V, d_K, d_V, d_V))
-    t24 = t4 @ G
-    t25 = t6 @ X
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t23[...] = oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = G.transpose(-1, -2)
-    t31 = W_V @ t30
-    t32 = X @ t31
-    t33 = t32 @ X
-    t34 = t4 @ t33
-    t29 += oe.contract('abc,d->bcd', t34, t21, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35[...] = 0
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t38 = t4 @ X
-    t39 = W_Q.transpose(-1, -2)
-    t40 = t39 @ t4
-    t41 = t40 @ G
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t37[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = X @ W_K
-    t46 = t4 @ t45
-    t47 = t30 @ X
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t44[...] = oe.contract('abc,ade->bdec', t48, t47, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t51 = X @ W_Q
-    t52 = t30 @ t51
-    t50[...] = oe.contract('abc,ade->bdce', t42, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t10.transpose(-1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t4 @ t16
+    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t3 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t21 = t20.view((d_V, d_K, d_V, d_V))
+    t22 = t4 @ G
+    t23 = t6 @ X
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t21[...] = oe.contract('abc,ade->bdec', t24, t23, optimize=[(0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t17.transpose(-1, -2)
+    t27 += oe.contract('abc,d->bcd', t28, t19, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t32 = t4 @ X
+    t33 = W_Q.transpose(-1, -2)
+    t34 = t33 @ t4
+    t35 = t34 @ G
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t31[...] = oe.contract('abc,ade->bdce', t36, t35, optimize=[(0, 1)])
+    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t38 = t37.view((d_V, d_V, d_V, d_K))
+    t39 = t23.transpose(-1, -2)
+    t40 = t22.transpose(-1, -2)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t38[...] = oe.contract('abc,ade->bdec', t41, t40, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_V, d_V, d_K))
+    t44 = t35.transpose(-1, -2)
+    t43[...] = oe.contract('abc,ade->bdce', t36, t44, optimize=[(0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
     return H
 
 
@@ -959,62 +909,47 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = V_W_V.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = t0 @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t0
-    t20 = G @ t19
-    t21 = X @ V_W_K
-    t22 = t20 @ t21
-    t23 = t0 @ t22
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = t17 + t24
-    t26 = G.transpose(-1, -2)
-    t27 = V_W_V @ t26
-    t28 = X @ t27
-    t29 = X @ W_Q
-    t30 = t28 @ t29
-    t31 = t0 @ t30
-    t32 = (1/math.sqrt(d_K)) * t31
-    t33 = W_V @ t26
-    t34 = X @ t33
-    t35 = X @ V_W_Q
-    t36 = t34 @ t35
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = V_W_V.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = G @ t11
+    t13 = t3.transpose(-1, -2)
+    t14 = t12 @ t13
+    t15 = t6.transpose(-1, -2)
+    t16 = G @ t15
+    t17 = X @ V_W_K
+    t18 = t16 @ t17
+    t19 = t14 + t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = t0 @ t20
+    t22 = t12.transpose(-1, -2)
+    t23 = t22 @ t1
+    t24 = t16.transpose(-1, -2)
+    t25 = X @ V_W_Q
+    t26 = t24 @ t25
+    t27 = t23 + t26
+    t28 = (1/math.sqrt(d_K)) * t27
+    t29 = t0 @ t28
+    t30 = t1.transpose(-1, -2)
+    t31 = t17 @ t30
+    t32 = t25.transpose(-1, -2)
+    t33 = t13 @ t32
+    t34 = t31 + t33
+    t35 = (1/math.sqrt(d_K)) * t34
+    t36 = t35 @ G
     t37 = t0 @ t36
-    t38 = (1/math.sqrt(d_K)) * t37
-    t39 = t32 + t38
-    t40 = W_Q.transpose(-1, -2)
-    t41 = t40 @ t0
-    t42 = V_W_K @ t41
-    t43 = X @ t42
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = V_W_Q.transpose(-1, -2)
-    t46 = t45 @ t0
-    t47 = W_K @ t46
-    t48 = X @ t47
-    t49 = (1/math.sqrt(d_K)) * t48
-    t50 = t44 + t49
-    t51 = t50 @ G
-    t52 = t0 @ t51
-    return (t25.mean(0), t39.mean(0), t52.mean(0),)
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -1033,44 +968,36 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = W_V.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = t0 @ G
-    t19 = t2 @ X
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t19, t18, t19, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = G.transpose(-1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = t6.transpose(-1, -2)
+    t11 = G @ t10
+    t12 = t11 @ X
+    t13 = t0 @ t12
+    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t16 = t0 @ G
+    t17 = t2 @ X
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t16, t17, t16, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t13.transpose(-1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = t0 @ X
+    t24 = W_Q.transpose(-1, -2)
+    t25 = t24 @ t0
+    t26 = t25 @ G
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t26, t23, t26, optimize=[(0, 2), (0, 1), (0, 1)])
     t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = t0 @ X
-    t30 = W_Q.transpose(-1, -2)
-    t31 = t30 @ t0
-    t32 = t31 @ G
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t32, t29, t32, optimize=[(0, 2), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = X @ W_K
-    t36 = t0 @ t35
-    t37 = t22 @ X
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t36, t37, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = X @ W_Q
-    t41 = t22 @ t40
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t41, t29, t41, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    return (0.0, t17, t21, t28, 0.0, t34, t39, t43, 0.0,)
+    t29 = t17.transpose(-1, -2)
+    t30 = t16.transpose(-1, -2)
+    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t30, t29, t30, optimize=[(0, 2), (0, 1), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = t26.transpose(-1, -2)
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t33, t23, t33, optimize=[(0, 2), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (0.0, t15, t19, t22, 0.0, t28, t32, t35, 0.0,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1133,18 +1060,16 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 @ X
-    t17 = t2 @ t16
-    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = t8.transpose(-1, -2)
+    t13 = G @ t12
+    t14 = t13 @ X
+    t15 = t2 @ t14
+    t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t1 += oe.contract('abc,d->bcd', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1164,18 +1089,16 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = W_V.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = t6.transpose(-1, -2)
+    t11 = G @ t10
+    t12 = t11 @ X
+    t13 = t0 @ t12
+    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1196,14 +1119,13 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = T @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t1 @ G
-    t13 = t3 @ X
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t1 @ G
+    t12 = t3 @ X
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1223,15 +1145,14 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = t0 @ G
-    t12 = t2 @ X
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t11, t12, t11, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = t0 @ G
+    t11 = t2 @ X
+    t12 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t10, t11, t10, t11, optimize=[(0, 2), (0, 1), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1274,18 +1195,17 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = W_V @ t13
-    t15 = X @ t14
-    t16 = t15 @ X
-    t17 = t2 @ t16
-    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = X @ t13
+    t15 = t14 @ X
+    t16 = t2 @ t15
+    t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1305,18 +1225,17 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = G.transpose(-1, -2)
-    t12 = W_V @ t11
-    t13 = X @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = G.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = X @ t11
+    t13 = t12 @ X
+    t14 = t0 @ t13
+    t15 = (n_batch**(-2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1350,23 +1269,22 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_Q.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t1
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
+    t4 = t3 @ t1
+    t5 = t4.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = X @ W_V
+    t11 = T @ t10
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t3 @ t1
-    t15 = t14 @ G
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t14 = t4 @ G
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1379,24 +1297,23 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
+    t3 = t2 @ t0
+    t4 = t3.transpose(-1, -2)
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t2 @ t0
-    t14 = t13 @ G
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t14, t1, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t13 = t3 @ G
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1430,23 +1347,21 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = X @ W_K
     t3 = t1 @ t2
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t1
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = t14 @ X
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t16, t15, optimize=[(0, 1)])
+    t4 = t2.transpose(-1, -2)
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = X @ W_V
+    t9 = T @ t8
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = t12 @ X
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1459,24 +1374,22 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = X @ W_K
     t2 = t0 @ t1
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = t13 @ X
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t14, t2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t3 = t1.transpose(-1, -2)
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = X @ W_V
+    t8 = T @ t7
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = t11 @ X
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t12, t2, t12, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1498,15 +1411,14 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = X @ W_Q
-    t15 = t13 @ t14
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = X @ W_Q
+    t14 = t12 @ t13
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1527,16 +1439,15 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = T @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = X @ W_Q
-    t14 = t12 @ t13
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t14, t1, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = X @ W_Q
+    t13 = t11 @ t12
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1571,116 +1482,114 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t2 = X.transpose(-1, -2)
     t3 = t2 @ X
     t4 = W_K.transpose(-1, -2)
-    t5 = W_V.transpose(-1, -2)
-    t6 = t4 @ t2
-    t7 = t5 @ t2
+    t5 = t4 @ t2
+    t6 = W_V.transpose(-1, -2)
+    t7 = t6 @ t2
     t8 = W_V @ t7
     t9 = X @ t8
-    t10 = X @ W_K
+    t10 = t5.transpose(-1, -2)
     t11 = t9 @ t10
-    t12 = t6 @ t11
+    t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
     t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
     t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t14[...] = 0
     t15 = t14.view((d_V, d_K, d_V, d_K))
     t16 = t15.diagonal(0, 1, 3)
-    t17 = W_Q @ t6
+    t17 = W_Q @ t5
     t18 = X @ t17
     t19 = (1/math.sqrt(d_K)) * t18
     T = t19
-    t20 = X @ W_V
+    t20 = t7.transpose(-1, -2)
     t21 = T @ t20
     F = t21
-    t22 = (2/(L*d_V)) * F
-    t23 = (-2/(L*d_V)) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t7
-    t26 = t25 @ X
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t29 = oe.contract('abc,acd->bd', t2, t26, optimize=[(0, 1)])
-    t16 += oe.contract('a,bc->bca', t28, t29, optimize=[(0, 1)])
-    t30 = X @ W_Q
-    t31 = t9 @ X
-    t32 = t6 @ t31
-    t33 = (2/(L*d_K*d_V*n_batch)) * t2
-    t34 = oe.contract('abc,acd->bda', t33, t30, optimize=[(0, 1)])
-    t35 = oe.contract('abc->bca', t32, optimize=[(0,)])
-    t15 += oe.contract('abc,dec->adeb', t34, t35, optimize=[(0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t38 = t6 @ X
-    t39 = T @ X
-    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
-    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
-    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
-    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
-    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t46[...] = 0
-    t47 = t46.view((d_V, d_K, d_V, d_K))
-    t48 = t47.diagonal(0, 1, 3)
-    t49 = t2 @ t20
-    t50 = G.transpose(-1, -2)
-    t51 = t50 @ X
-    t52 = oe.contract('abc,acd->bd', t49, t51, optimize=[(0, 1)])
-    t48 += oe.contract('a,bc->bca', t28, t52, optimize=[(0, 1)])
-    t53 = t7 @ t10
-    t54 = W_Q.transpose(-1, -2)
-    t55 = t54 @ t2
-    t56 = t55 @ X
-    t57 = (2/(L*d_K*d_V*n_batch)) * t49
-    t58 = oe.contract('abc,acd->bda', t57, t53, optimize=[(0, 1)])
-    t59 = oe.contract('abc->bca', t56, optimize=[(0,)])
-    t47 += oe.contract('abc,dec->adeb', t58, t59, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = t60.view((d_V, d_K, d_V, d_K))
-    t62 = t2 @ t31
-    t63 = t55 @ t30
-    t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t61[...] = oe.contract('abc,ade->bdce', t64, t63, optimize=[(0, 1)])
-    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66 = t65.view((d_V, d_K, d_V, d_V))
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
-    t69 = oe.contract('abc->bca', t3, optimize=[(0,)])
-    t66[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
-    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t55
-    t71 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
-    t72 = oe.contract('abc,acd->bda', t70, t39, optimize=[(0, 1)])
-    t66 += oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t74 = t73.view((d_V, d_V, d_V, d_K))
-    t75 = T.transpose(-1, -2)
-    t76 = t75 @ X
-    t74[...] = oe.contract('abc,acd,aef->bedf', t40, t76, t53, optimize=[(0, 1), (0, 1)])
-    t77 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
-    t78 = oe.contract('abc->bca', t51, optimize=[(0,)])
-    t74 += oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t80 = t79.view((d_V, d_V, d_V, d_K))
-    t81 = t50 @ t30
-    t80[...] = oe.contract('abc,acd,aef->bedf', t43, X, t81, optimize=[(0, 1), (0, 1)])
-    t82 = t75 @ t30
-    t83 = t7 @ X
-    t84 = oe.contract('abc,acd->bda', t40, t82, optimize=[(0, 1)])
-    t85 = oe.contract('abc->bca', t83, optimize=[(0,)])
-    t80 += oe.contract('abc,dec->adeb', t84, t85, optimize=[(0, 1)])
-    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t86[...] = 0
-    t87 = t86.view((d_V, d_V, d_V, d_V))
-    t88 = t87.diagonal(0, 1, 3)
-    t89 = t75 @ T
-    t90 = t89 @ X
-    t91 = t2 @ t90
-    t92 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t93 = (2/(L*d_V*n_batch)) * t92
-    t88 += oe.contract('abc,d->bcd', t91, t93, optimize=[(0, 1)])
+    t22 = F - Y
+    t23 = (2/(L*d_V)) * t22
+    G = t23
+    t24 = G @ t7
+    t25 = t24 @ X
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
+    t16 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
+    t29 = X @ W_Q
+    t30 = t11.transpose(-1, -2)
+    t31 = t30 @ X
+    t32 = (2/(L*d_K*d_V*n_batch)) * t2
+    t33 = oe.contract('abc,acd->bda', t32, t29, optimize=[(0, 1)])
+    t34 = oe.contract('abc->bca', t31, optimize=[(0,)])
+    t15 += oe.contract('abc,dec->adeb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = t5 @ X
+    t38 = T @ X
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t40 = oe.contract('abc,cd->bda', t37, W_V, optimize=[(0, 1)])
+    t41 = oe.contract('abc,acd->bda', t39, t38, optimize=[(0, 1)])
+    t36[...] = oe.contract('abc,dec->daeb', t40, t41, optimize=[(0, 1)])
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t43 = oe.contract('abc,acd->bda', t42, G, optimize=[(0, 1)])
+    t44 = oe.contract('abc->bca', t37, optimize=[(0,)])
+    t36 += oe.contract('abc,dec->adeb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t45[...] = 0
+    t46 = t45.view((d_V, d_K, d_V, d_K))
+    t47 = t46.diagonal(0, 1, 3)
+    t48 = t2 @ t20
+    t49 = G.transpose(-1, -2)
+    t50 = t49 @ X
+    t51 = oe.contract('abc,acd->bd', t48, t50, optimize=[(0, 1)])
+    t47 += oe.contract('a,bc->bca', t27, t51, optimize=[(0, 1)])
+    t52 = t7 @ t10
+    t53 = t29.transpose(-1, -2)
+    t54 = t53 @ X
+    t55 = (2/(L*d_K*d_V*n_batch)) * t48
+    t56 = oe.contract('abc,acd->bda', t55, t52, optimize=[(0, 1)])
+    t57 = oe.contract('abc->bca', t54, optimize=[(0,)])
+    t46 += oe.contract('abc,dec->adeb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_K))
+    t60 = t9 @ X
+    t61 = t2 @ t60
+    t62 = t53 @ t29
+    t63 = (2/(L*d_K*d_V*n_batch)) * t61
+    t59[...] = oe.contract('abc,ade->bdce', t63, t62, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65 = t64.view((d_V, d_K, d_V, d_V))
+    t66 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t67 = oe.contract('abc,acd->bda', t66, G, optimize=[(0, 1)])
+    t68 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t65[...] = oe.contract('abc,dec->daeb', t67, t68, optimize=[(0, 1)])
+    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t53
+    t70 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bda', t69, t38, optimize=[(0, 1)])
+    t65 += oe.contract('abc,dec->adeb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t73 = t72.view((d_V, d_V, d_V, d_K))
+    t74 = T.transpose(-1, -2)
+    t75 = t74 @ X
+    t73[...] = oe.contract('abc,acd,aef->bedf', t39, t75, t52, optimize=[(0, 1), (0, 1)])
+    t76 = oe.contract('abc,acd->bda', t42, t10, optimize=[(0, 1)])
+    t77 = oe.contract('abc->bca', t50, optimize=[(0,)])
+    t73 += oe.contract('abc,dec->adeb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t79 = t78.view((d_V, d_V, d_V, d_K))
+    t80 = t49 @ t29
+    t79[...] = oe.contract('abc,acd,aef->bedf', t42, X, t80, optimize=[(0, 1), (0, 1)])
+    t81 = t74 @ t29
+    t82 = t48.transpose(-1, -2)
+    t83 = oe.contract('abc,acd->bda', t39, t81, optimize=[(0, 1)])
+    t84 = oe.contract('abc->bca', t82, optimize=[(0,)])
+    t79 += oe.contract('abc,dec->adeb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85[...] = 0
+    t86 = t85.view((d_V, d_V, d_V, d_V))
+    t87 = t86.diagonal(0, 1, 3)
+    t88 = t38.transpose(-1, -2)
+    t89 = t88 @ t38
+    t90 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t91 = (2/(L*d_V*n_batch)) * t90
+    t87 += oe.contract('abc,d->bcd', t89, t91, optimize=[(0, 1)])
     return H
 
 
@@ -1691,100 +1600,61 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = V_W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t1 = X @ V_W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
+    t5 = X @ W_Q
     t6 = V_W_K.transpose(-1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
-    t12 = X @ W_V
-    t13 = t11 @ t12
-    t14 = (2/(L*math.sqrt(d_K)*d_V)) * t13
-    t15 = W_Q @ t2
-    t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    T = t17
-    t18 = X @ V_W_V
-    t19 = T @ t18
-    t20 = (2/(L*math.sqrt(d_K)*d_V)) * t19
-    t21 = t14 + t20
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = t21 @ t23
-    t25 = X @ W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = T @ t12
-    F = t28
-    t29 = (2/(L*math.sqrt(d_K)*d_V)) * F
-    t30 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
-    t31 = t29 + t30
-    t32 = V_W_V.transpose(-1, -2)
-    t33 = t32 @ t0
-    t34 = t31 @ t33
-    t35 = t34 @ t25
-    t36 = t0 @ t35
-    t37 = t31 @ t23
-    t38 = X @ V_W_K
-    t39 = t37 @ t38
-    t40 = t0 @ t39
-    t41 = t27 + t36 + t40
-    t42 = F.transpose(-1, -2)
-    t43 = (2/(L*math.sqrt(d_K)*d_V)) * t42
-    t44 = Y.transpose(-1, -2)
-    t45 = (-2/(L*math.sqrt(d_K)*d_V)) * t44
-    t46 = t43 + t45
-    t47 = V_W_V @ t46
-    t48 = X @ t47
-    t49 = X @ W_Q
+    t11 = X @ W_V
+    t12 = t10 @ t11
+    t13 = t5 @ t3
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = X @ V_W_V
+    t16 = T @ t15
+    t17 = t12 + t16
+    t18 = (2/(L*math.sqrt(d_K)*d_V)) * t17
+    t19 = t11.transpose(-1, -2)
+    t20 = t18 @ t19
+    t21 = t3.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = T @ t11
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*math.sqrt(d_K)*d_V)) * t24
+    t26 = t15.transpose(-1, -2)
+    t27 = t25 @ t26
+    t28 = t27 @ t21
+    t29 = t25 @ t19
+    t30 = t7.transpose(-1, -2)
+    t31 = t29 @ t30
+    t32 = t22 + t28 + t31
+    t33 = t0 @ t32
+    t34 = t27.transpose(-1, -2)
+    t35 = t34 @ t5
+    t36 = t20.transpose(-1, -2)
+    t37 = t36 @ t5
+    t38 = t29.transpose(-1, -2)
+    t39 = t38 @ t1
+    t40 = t35 + t37 + t39
+    t41 = t0 @ t40
+    t42 = t8.transpose(-1, -2)
+    t43 = t4.transpose(-1, -2)
+    t44 = t42 + t43
+    t45 = (1/math.sqrt(d_K)) * t44
+    t46 = (2/(L*d_V)) * t24
+    t47 = t45 @ t46
+    t48 = T.transpose(-1, -2)
+    t49 = (2/(L*d_V)) * t17
     t50 = t48 @ t49
-    t51 = t0 @ t50
-    t52 = T.transpose(-1, -2)
-    t53 = t0 @ t52
-    t54 = t32 @ t53
-    t55 = (2/(L*math.sqrt(d_K)*d_V)) * t54
-    t56 = W_Q.transpose(-1, -2)
-    t57 = t56 @ t0
-    t58 = V_W_K @ t57
-    t59 = X @ t58
-    t60 = (1/math.sqrt(d_K)) * t59
-    t61 = V_W_Q.transpose(-1, -2)
-    t62 = t61 @ t0
-    t63 = W_K @ t62
-    t64 = X @ t63
-    t65 = (1/math.sqrt(d_K)) * t64
-    t66 = t60 + t65
-    t67 = t0 @ t66
-    t68 = t22 @ t67
-    t69 = (2/(L*math.sqrt(d_K)*d_V)) * t68
-    t70 = t55 + t69
-    t71 = W_V @ t70
-    t72 = X @ t71
-    t73 = t72 @ t49
-    t74 = t0 @ t73
-    t75 = W_V @ t46
-    t76 = X @ t75
-    t77 = X @ V_W_Q
-    t78 = t76 @ t77
-    t79 = t0 @ t78
-    t80 = t51 + t74 + t79
-    t81 = (2/(L*d_V)) * F
-    t82 = (-2/(L*d_V)) * Y
-    t83 = t81 + t82
-    t84 = t66 @ t83
-    t85 = t0 @ t84
-    t86 = (2/(L*d_V)) * t13
-    t87 = (2/(L*d_V)) * t19
-    t88 = t86 + t87
-    t89 = t52 @ t88
-    t90 = t0 @ t89
-    t91 = t85 + t90
-    return (t41.mean(0), t80.mean(0), t91.mean(0),)
+    t51 = t47 + t50
+    t52 = t0 @ t51
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)), (t52[0] if n_batch == 1 else t52.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -1796,68 +1666,66 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = W_Q @ t4
+    t13 = W_Q @ t3
     t14 = X @ t13
     t15 = (1/math.sqrt(d_K)) * t14
     T = t15
-    t16 = X @ W_V
+    t16 = t5.transpose(-1, -2)
     t17 = T @ t16
     F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G @ t5
-    t22 = t21 @ X
-    t23 = X @ W_Q
-    t24 = t7 @ X
-    t25 = t4 @ t24
-    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t22, t0, t22, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t22, t0, t23, t25, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t23, t25, t0, t23, t25, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t4 @ X
-    t29 = T @ X
-    t30 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t28, t29, W_V, t0, t28, t29, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t28, t29, W_V, t0, t28, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t0 @ t16
-    t33 = G.transpose(-1, -2)
-    t34 = t33 @ X
-    t35 = t5 @ t8
-    t36 = W_Q.transpose(-1, -2)
-    t37 = t36 @ t0
-    t38 = t37 @ X
-    t39 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t32, t34, t32, t34, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t32, t34, t32, t35, t38, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t32, t35, t38, t32, t35, t38, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = t0 @ t24
-    t42 = t37 @ t23
-    t43 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t37, G, t1, t37, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t37, G, t1, t37, W_V, t29, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t37, W_V, t29, t1, t37, W_V, t29, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    t47 = T.transpose(-1, -2)
-    t48 = t47 @ X
-    t49 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t48, t35, t0, t48, t35, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t48, t35, t0, t8, t34, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t34, t0, t8, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = t33 @ t23
-    t52 = t47 @ t23
-    t53 = t5 @ X
-    t54 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t51, t0, X, t51, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t51, t0, t52, t53, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t52, t53, t0, t52, t53, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
-    t56 = t47 @ T
-    t57 = t56 @ X
-    t58 = t0 @ t57
-    t59 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t58, t58, optimize=[(0, 1)])
-    t60 = torch.sqrt(torch.clamp(t59, min=0.0))
-    return (t12, t27, t31, t40, t44, t46, t50, t55, t60,)
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t5
+    t21 = t20 @ X
+    t22 = X @ W_Q
+    t23 = t9.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t21, t0, t22, t24, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t22, t24, t0, t22, t24, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t3 @ X
+    t28 = T @ X
+    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t27, t28, W_V, t0, t27, t28, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t27, t28, W_V, t0, t27, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t27, G, t0, t27, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t0 @ t16
+    t32 = G.transpose(-1, -2)
+    t33 = t32 @ X
+    t34 = t5 @ t8
+    t35 = t22.transpose(-1, -2)
+    t36 = t35 @ X
+    t37 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t31, t33, t31, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t31, t33, t31, t34, t36, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t31, t34, t36, t31, t34, t36, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = t7 @ X
+    t40 = t0 @ t39
+    t41 = t35 @ t22
+    t42 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t40, t41, t40, t41, optimize=[(0, 2), (0, 1), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t35, G, t1, t35, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t35, G, t1, t35, W_V, t28, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t35, W_V, t28, t1, t35, W_V, t28, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    t46 = T.transpose(-1, -2)
+    t47 = t46 @ X
+    t48 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t47, t34, t0, t47, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t47, t34, t0, t8, t33, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t33, t0, t8, t33, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t50 = t32 @ t22
+    t51 = t46 @ t22
+    t52 = t31.transpose(-1, -2)
+    t53 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t50, t0, t51, t52, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t51, t52, t0, t51, t52, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
+    t55 = t28.transpose(-1, -2)
+    t56 = t55 @ t28
+    t57 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t56, t56, optimize=[(0, 1)])
+    t58 = torch.sqrt(torch.clamp(t57, min=0.0))
+    return (t12, t26, t30, t38, t43, t45, t49, t54, t58,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1871,14 +1739,14 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_K.transpose(-1, -2)
-    t4 = W_V.transpose(-1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = t4.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
@@ -1893,14 +1761,14 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
 
 
@@ -1915,14 +1783,14 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_K.transpose(-1, -2)
-    t4 = W_V.transpose(-1, -2)
-    t5 = t3 @ t1
-    t6 = t4 @ t1
+    t4 = t3 @ t1
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = t4.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = t5 @ t10
+    t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
@@ -1937,14 +1805,14 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     return t12
@@ -1970,27 +1838,24 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = T @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 @ X
-    t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
-    t20 = X @ W_Q
-    t21 = W_V @ t14
-    t22 = X @ t21
-    t23 = t22 @ X
-    t24 = t4 @ t23
-    t25 = (2/(L*d_K*d_V*n_batch)) * t2
-    t26 = oe.contract('abc,acd->bda', t25, t20, optimize=[(0, 1)])
-    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = t8.transpose(-1, -2)
+    t13 = G @ t12
+    t14 = t13 @ X
+    t15 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd->bd', t2, t14, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
+    t18 = X @ W_Q
+    t19 = t8 @ t12
+    t20 = t19 @ X
+    t21 = t4 @ t20
+    t22 = (2/(L*d_K*d_V*n_batch)) * t2
+    t23 = oe.contract('abc,acd->bda', t22, t18, optimize=[(0, 1)])
+    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2010,22 +1875,19 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = W_V.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = X @ W_Q
-    t16 = W_V @ t12
-    t17 = X @ t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t14, t0, t15, t19, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t19, t0, t15, t19, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = t6.transpose(-1, -2)
+    t11 = G @ t10
+    t12 = t11 @ X
+    t13 = X @ W_Q
+    t14 = t6 @ t10
+    t15 = t14 @ X
+    t16 = t2 @ t15
+    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t12, t0, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t12, t0, t13, t16, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t13, t16, t0, t13, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2049,17 +1911,15 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
     t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
     t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
-    t12 = X @ W_V
-    t13 = T @ t12
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bda', t17, G, optimize=[(0, 1)])
-    t19 = oe.contract('abc->bca', t4, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
+    t12 = t8 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2078,16 +1938,14 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     T = t6
     t7 = T @ X
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t8 = t7 @ W_V
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2107,7 +1965,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = W_Q.transpose(-1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
@@ -2129,7 +1987,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = W_Q.transpose(-1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
 
@@ -2155,27 +2013,25 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = T @ t3
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = t14 @ X
-    t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = oe.contract('abc,acd->bd', t4, t15, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = X @ W_K
-    t22 = t20 @ t21
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t2
-    t25 = t24 @ X
-    t26 = (2/(L*d_K*d_V*n_batch)) * t4
-    t27 = oe.contract('abc,acd->bda', t26, t22, optimize=[(0, 1)])
-    t28 = oe.contract('abc->bca', t25, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t27, t28, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = t13 @ X
+    t15 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd->bd', t4, t14, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
+    t18 = t3.transpose(-1, -2)
+    t19 = t6.transpose(-1, -2)
+    t20 = t18 @ t19
+    t21 = W_Q.transpose(-1, -2)
+    t22 = t21 @ t2
+    t23 = t22 @ X
+    t24 = (2/(L*d_K*d_V*n_batch)) * t4
+    t25 = oe.contract('abc,acd->bda', t24, t20, optimize=[(0, 1)])
+    t26 = oe.contract('abc->bca', t23, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -2196,22 +2052,20 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T @ t1
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = t12 @ X
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = W_Q.transpose(-1, -2)
-    t19 = t18 @ t0
-    t20 = t19 @ X
-    t21 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t13, t2, t13, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t13, t2, t17, t20, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t17, t20, t2, t17, t20, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = t11 @ X
+    t13 = t1.transpose(-1, -2)
+    t14 = t4.transpose(-1, -2)
+    t15 = t13 @ t14
+    t16 = W_Q.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = t17 @ X
+    t19 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t12, t2, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t12, t2, t15, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t15, t18, t2, t15, t18, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2231,7 +2085,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = t1 @ t6
     t8 = W_Q.transpose(-1, -2)
     t9 = t8 @ t1
-    t10 = X @ W_Q
+    t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
     t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
@@ -2253,7 +2107,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = W_Q.transpose(-1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
@@ -2272,28 +2126,27 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ X
     t3 = W_Q.transpose(-1, -2)
     t4 = t3 @ t1
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = t4.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = X @ W_V
     t11 = T @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
-    t18 = T @ X
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t20 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bda', t19, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t15 = oe.contract('abc,acd->bda', t14, G, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
+    t17 = T @ X
+    t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t19 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bda', t18, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2307,23 +2160,22 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
     t3 = t2 @ t0
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
+    t4 = t3.transpose(-1, -2)
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
     t8 = (1/math.sqrt(d_K)) * t7
     T = t8
     t9 = X @ W_V
     t10 = T @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = T @ X
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t14, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t14, t1, t3, W_V, t14, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = T @ X
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t13, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t13, t1, t3, W_V, t13, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2390,23 +2242,22 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = W_V.transpose(-1, -2)
     t10 = t9 @ t1
-    t11 = X @ W_K
+    t11 = t3.transpose(-1, -2)
     t12 = t10 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t0[...] = oe.contract('abc,acd,aef->bedf', t13, t8, t12, optimize=[(0, 1), (0, 1)])
-    t14 = X @ W_V
+    t14 = t10.transpose(-1, -2)
     t15 = T @ t14
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = oe.contract('abc,acd->bda', t21, t11, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = t18 @ X
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('abc,acd->bda', t20, t11, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2427,20 +2278,19 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ X
     t8 = W_V.transpose(-1, -2)
     t9 = t8 @ t0
-    t10 = X @ W_K
+    t10 = t2.transpose(-1, -2)
     t11 = t9 @ t10
-    t12 = X @ W_V
+    t12 = t9.transpose(-1, -2)
     t13 = T @ t12
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t18, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t18, t0, t10, t18, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = t16 @ X
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t17, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t17, t0, t10, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2461,24 +2311,22 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = T @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = X @ W_Q
-    t14 = t12 @ t13
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t15, X, t14, optimize=[(0, 1), (0, 1)])
-    t16 = T.transpose(-1, -2)
-    t17 = t16 @ t13
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t22 = oe.contract('abc,acd->bda', t21, t17, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = X @ W_Q
+    t13 = t11 @ t12
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t14, X, t13, optimize=[(0, 1), (0, 1)])
+    t15 = T.transpose(-1, -2)
+    t16 = t15 @ t12
+    t17 = t7.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t20 = oe.contract('abc,acd->bda', t19, t16, optimize=[(0, 1)])
+    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2498,21 +2346,19 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = X @ W_V
     t7 = T @ t6
     F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = G.transpose(-1, -2)
-    t12 = X @ W_Q
-    t13 = t11 @ t12
-    t14 = T.transpose(-1, -2)
-    t15 = t14 @ t12
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t13, t0, X, t13, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t13, t0, t15, t18, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t18, t0, t15, t18, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t8 = F - Y
+    t9 = (2/(L*d_V)) * t8
+    G = t9
+    t10 = G.transpose(-1, -2)
+    t11 = X @ W_Q
+    t12 = t10 @ t11
+    t13 = T.transpose(-1, -2)
+    t14 = t13 @ t11
+    t15 = t6.transpose(-1, -2)
+    t16 = t15 @ X
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t12, t0, X, t12, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t12, t0, t14, t16, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t14, t16, t0, t14, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2573,14 +2419,14 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = W_V.transpose(-1, -2)
-    t4 = t2 @ t0
-    t5 = t3 @ t0
+    t3 = t2 @ t0
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
-    t10 = t4 @ t9
+    t10 = t3 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = t11 + 0.0 + 0.0
     t13 = torch.sqrt(torch.clamp(t11, min=0.0))
@@ -2598,35 +2444,33 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_Q
     t2 = t0 @ t1
     t3 = W_K.transpose(-1, -2)
-    t4 = W_V.transpose(-1, -2)
-    t5 = t3 @ t0
-    t6 = t4 @ t0
+    t4 = t3 @ t0
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t0
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = t8 @ X
-    t10 = t5 @ t9
+    t10 = t4 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = W_Q @ t5
-    t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = X @ W_V
-    t16 = T @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G @ t6
-    t21 = t20 @ X
-    t22 = t0 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)])
-    t24 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t22, optimize=[(0, 1), (0, 1)])
-    t25 = t11 + t23 + t24
-    t26 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t26, t27, t28,)
+    t12 = t1 @ t4
+    t13 = (1/math.sqrt(d_K)) * t12
+    T = t13
+    t14 = t6.transpose(-1, -2)
+    t15 = T @ t14
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G @ t6
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
+    t22 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t20, optimize=[(0, 1), (0, 1)])
+    t23 = t11 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -2649,19 +2493,18 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
     t11 = T @ t8
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t0 @ G
-    t16 = t2 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t16, t15, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t15, t16, optimize=[(0, 2), (0, 2), (0, 1)])
-    t19 = t10 + t17 + t18
-    t20 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, t21, t22,)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t0 @ G
+    t15 = t2 @ X
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t14, t15, optimize=[(0, 2), (0, 2), (0, 1)])
+    t18 = t10 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2682,31 +2525,28 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t0
     t10 = t9 @ X
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = W_K.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = W_Q @ t13
-    t15 = X @ t14
+    t12 = t2.transpose(-1, -2)
+    t13 = t9.transpose(-1, -2)
+    t14 = t5.transpose(-1, -2)
+    t15 = t13 @ t14
     t16 = (1/math.sqrt(d_K)) * t15
     T = t16
-    t17 = X @ W_V
-    t18 = T @ t17
-    F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = G.transpose(-1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t26, optimize=[(0, 1), (0, 1)])
-    t29 = t11 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    t17 = T @ t12
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = t12 @ t20
+    t22 = t21 @ X
+    t23 = t0 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t23, optimize=[(0, 1), (0, 1)])
+    t26 = t11 + t24 + t25
+    t27 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -2724,7 +2564,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t6 = t0 @ t5
     t7 = W_Q.transpose(-1, -2)
     t8 = t7 @ t0
-    t9 = X @ W_Q
+    t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
     t12 = t11 + 0.0 + 0.0
@@ -2743,31 +2583,30 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_V
     t2 = t0 @ t1
     t3 = W_Q.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = t3 @ t0
+    t4 = t3 @ t0
+    t5 = t4.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
     t10 = T @ X
-    t11 = t9 @ t10
+    t11 = t4 @ t10
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
     t13 = t0 @ X
     t14 = T @ t1
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t9 @ G
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t18, t13, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t18, optimize=[(0, 2), (0, 2), (0, 1)])
-    t21 = t12 + t19 + t20
-    t22 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, t23, t24,)
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t4 @ G
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t17, t13, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t17, optimize=[(0, 2), (0, 2), (0, 1)])
+    t20 = t12 + t18 + t19
+    t21 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t21, t22, t23,)
 
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2788,26 +2627,25 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t8 = t0 @ t7
     t9 = W_V.transpose(-1, -2)
     t10 = t9 @ t0
-    t11 = X @ W_K
+    t11 = t2.transpose(-1, -2)
     t12 = t10 @ t11
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
     t14 = t0 @ t11
-    t15 = X @ W_V
+    t15 = t10.transpose(-1, -2)
     t16 = T @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = t20 @ X
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t21, t14, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t21, optimize=[(0, 2), (0, 2), (0, 1)])
-    t24 = t13 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
+    t23 = t13 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -2832,22 +2670,21 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
     t14 = t0 @ X
-    t15 = X @ W_V
+    t15 = t11.transpose(-1, -2)
     t16 = T @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = t20 @ t7
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t21, t14, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t21, optimize=[(0, 2), (0, 2), (0, 1)])
-    t24 = t13 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = t19 @ t7
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
+    t23 = t13 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -3001,13 +2838,12 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     t6 = Mcausal * T
     t7 = X @ W_V
     t8 = t6 @ t7
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = t10 * t10
-    t12 = t11.sum(-1, keepdim=True)
-    t13 = t12.sum(-2, keepdim=True)
-    t14 = (1/(L*d_V)) * t13
-    return t14.mean(0)[0, 0]
+    t9 = t8 - Y
+    t10 = t9 * t9
+    t11 = t10.sum(-1, keepdim=True)
+    t12 = t11.sum(-2, keepdim=True)
+    t13 = (1/(L*d_V)) * t12
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -3018,42 +2854,37 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = Mcausal * T
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = t0 @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = G.transpose(-1, -2)
-    t21 = W_V @ t20
-    t22 = X @ t21
-    t23 = Mcausal.transpose(-1, -2)
-    t24 = t22 * t23
-    t25 = X @ W_Q
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = T.transpose(-1, -2)
-    t30 = t23 * t29
-    t31 = t30 @ G
-    t32 = t0 @ t31
-    return (t19.mean(0), t28.mean(0), t32.mean(0),)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t7.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t0 @ t13
+    t15 = t3.transpose(-1, -2)
+    t16 = t14 @ t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    t18 = t12.transpose(-1, -2)
+    t19 = Mcausal.transpose(-1, -2)
+    t20 = t18 * t19
+    t21 = t0 @ t20
+    t22 = t21 @ t1
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = T.transpose(-1, -2)
+    t25 = t19 * t24
+    t26 = t0 @ t25
+    t27 = t26 @ G
+    return ((t17[0] if n_batch == 1 else t17.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -3073,7 +2904,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t2
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = t4.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -3084,54 +2915,48 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t17 = t16.view((d_V, d_K, d_V, d_V))
-    t18 = W_Q @ t4
-    t19 = X @ t18
-    t20 = (1/math.sqrt(d_K)) * t19
-    T = t20
-    t21 = Mcausal * T
-    t22 = t21 @ X
-    t23 = X @ W_V
-    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t25 = oe.contract('abc,acd->bdac', t4, t23, optimize=[(0, 1)])
-    t26 = oe.contract('abc,cd,ace->bead', t2, t24, t22, optimize=[(0, 1), (0, 1)])
-    t17[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = W_Q.transpose(-1, -2)
-    t30 = t29 @ t2
-    t31 = Mcausal.transpose(-1, -2)
-    t32 = (2/(L*d_K*d_V*n_batch)) * t31
-    t28[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t30, t32, t8, t31, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = oe.contract('abc,acd->bdac', t30, t13, optimize=[(0, 1)])
-    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t38[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t30, t39, t23, t22, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = T.transpose(-1, -2)
-    t43 = t31 * t42
-    t44 = t2 @ t43
-    t45 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t46 = oe.contract('abc,cd,ace->bead', t44, t24, X, optimize=[(0, 1), (0, 1)])
-    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t48[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t44, t6, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
-    t50 = t49.view((d_V, d_V, d_V, d_V))
-    t51 = t50.diagonal(0, 1, 3)
-    t52 = t43 @ t21
-    t53 = t52 @ X
-    t54 = t2 @ t53
-    t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t56 = (2/(L*d_V*n_batch)) * t55
-    t51 += oe.contract('abc,d->bcd', t54, t56, optimize=[(0, 1)])
+    t18 = t13 @ t4
+    t19 = (1/math.sqrt(d_K)) * t18
+    T = t19
+    t20 = Mcausal * T
+    t21 = t20 @ X
+    t22 = t6.transpose(-1, -2)
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t24 = oe.contract('abc,acd->bdac', t4, t22, optimize=[(0, 1)])
+    t25 = oe.contract('abc,cd,ace->bead', t2, t23, t21, optimize=[(0, 1), (0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = t13.transpose(-1, -2)
+    t29 = Mcausal.transpose(-1, -2)
+    t30 = (2/(L*d_K*d_V*n_batch)) * t29
+    t27[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t28, t30, t8, t29, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = oe.contract('abc,acd->bdac', t28, t13, optimize=[(0, 1)])
+    t34 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t30, t8, t29, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t36[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t28, t37, t22, t21, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = t38.view((d_V, d_V, d_V, d_K))
+    t40 = t21.transpose(-1, -2)
+    t41 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t42 = oe.contract('abc,cd,ace->bead', t40, t23, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t44[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t40, t6, t23, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
+    t46 = t45.view((d_V, d_V, d_V, d_V))
+    t47 = t46.diagonal(0, 1, 3)
+    t48 = t40 @ t21
+    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t50 = (2/(L*d_V*n_batch)) * t49
+    t47 += oe.contract('abc,d->bcd', t48, t50, optimize=[(0, 1)])
     return H
 
 
@@ -3147,67 +2972,39 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t2 = t1 @ t0
     t3 = V_W_Q @ t2
     t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t5 = X @ W_Q
     t6 = V_W_K.transpose(-1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
-    t12 = t11 * Mcausal
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = (2/(L*d_V)) * t14
-    t16 = W_Q @ t2
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = X @ V_W_V
-    t21 = t19 @ t20
-    t22 = (2/(L*d_V)) * t21
-    t23 = t15 + t22
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = t23 @ t25
-    t27 = Mcausal * t26
-    t28 = X @ W_K
-    t29 = t27 @ t28
-    t30 = t0 @ t29
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = V_W_V.transpose(-1, -2)
-    t33 = Mcausal.transpose(-1, -2)
-    t34 = T.transpose(-1, -2)
-    t35 = t33 * t34
-    t36 = t0 @ t35
-    t37 = t32 @ t36
-    t38 = (2/(L*d_V)) * t37
-    t39 = W_Q.transpose(-1, -2)
-    t40 = t39 @ t0
-    t41 = V_W_K @ t40
-    t42 = X @ t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = V_W_Q.transpose(-1, -2)
-    t45 = t44 @ t0
-    t46 = W_K @ t45
-    t47 = X @ t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t43 + t48
-    t50 = t49 * t33
-    t51 = t0 @ t50
-    t52 = t24 @ t51
-    t53 = (2/(L*d_V)) * t52
-    t54 = t38 + t53
-    t55 = W_V @ t54
-    t56 = X @ t55
-    t57 = t56 * t33
-    t58 = X @ W_Q
-    t59 = t57 @ t58
-    t60 = t0 @ t59
-    t61 = (1/math.sqrt(d_K)) * t60
-    t62 = t35 @ t23
-    t63 = t0 @ t62
-    return (t31.mean(0), t61.mean(0), t63.mean(0),)
+    t11 = t10 * Mcausal
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    t14 = t5 @ t2
+    t15 = (1/math.sqrt(d_K)) * t14
+    T = t15
+    t16 = Mcausal * T
+    t17 = t16 @ X
+    t18 = t17 @ V_W_V
+    t19 = t13 + t18
+    t20 = (2/(L*d_V)) * t19
+    t21 = t12.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = Mcausal * t22
+    t24 = t0 @ t23
+    t25 = t2.transpose(-1, -2)
+    t26 = t24 @ t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = t22.transpose(-1, -2)
+    t29 = Mcausal.transpose(-1, -2)
+    t30 = t28 * t29
+    t31 = t0 @ t30
+    t32 = t31 @ t5
+    t33 = (1/math.sqrt(d_K)) * t32
+    t34 = t17.transpose(-1, -2)
+    t35 = t34 @ t20
+    return ((t27[0] if n_batch == 1 else t27.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -3224,43 +3021,37 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = torch.sqrt(torch.clamp(t8, min=0.0))
     t10 = X @ W_Q
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t10, X, t0, t2, Mcausal, t6, Mcausal, t10, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = W_Q @ t2
-    t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    T = t15
-    t16 = Mcausal * T
-    t17 = t16 @ X
-    t18 = X @ W_V
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t17, t18, t0, t2, Mcausal, t17, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = W_Q.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = Mcausal.transpose(-1, -2)
-    t24 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t22, t23, t6, t23, t7, X, t0, t22, t23, t6, t23, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t13 = t10 @ t2
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = Mcausal * T
+    t16 = t15 @ X
+    t17 = t4.transpose(-1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t16, t17, t0, t2, Mcausal, t16, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t10.transpose(-1, -2)
+    t21 = Mcausal.transpose(-1, -2)
+    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, t7, X, t0, t20, t21, t6, t21, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, X, t10, t0, t20, t21, t6, t21, X, t10, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t22, t23, t6, t23, X, t10, t0, t22, t23, t6, t23, X, t10, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t21, t17, t16, t0, t20, t21, t17, t16, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t22, t23, t18, t17, t0, t22, t23, t18, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = T.transpose(-1, -2)
-    t31 = t23 * t30
-    t32 = t0 @ t31
-    t33 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t32, t4, Mcausal, X, t7, t32, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t32, t4, Mcausal, t10, X, t32, t4, Mcausal, t10, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = t31 @ t16
-    t38 = t37 @ X
-    t39 = t0 @ t38
-    t40 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t39, t39, optimize=[(0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    return (t9, t12, t20, t25, t27, t29, t34, t36, t41,)
+    t28 = t16.transpose(-1, -2)
+    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, X, t7, t28, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, t10, X, t28, t4, Mcausal, t10, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = t28 @ t16
+    t34 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t9, t12, t19, t23, t25, t27, t30, t32, t35,)
 
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3279,7 +3070,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
     t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
@@ -3301,7 +3092,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -3321,7 +3112,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
@@ -3341,7 +3132,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = torch.sqrt(torch.clamp(t8, min=0.0))
     return t9
@@ -3456,7 +3247,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
@@ -3477,7 +3268,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = t2.transpose(-1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -3542,7 +3333,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
     t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
@@ -3565,7 +3356,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = t2.transpose(-1, -2)
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t10 = torch.sqrt(torch.clamp(t9, min=0.0))
     return t10
@@ -3585,10 +3376,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = Mcausal.transpose(-1, -2)
     t5 = X @ W_V
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = t3.transpose(-1, -2)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t1
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = Mcausal * T
@@ -3610,10 +3401,10 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = Mcausal.transpose(-1, -2)
     t4 = X @ W_V
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = t2.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
@@ -3698,7 +3489,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = W_V.transpose(-1, -2)
     t12 = t11 @ t1
-    t13 = X @ W_K
+    t13 = t4.transpose(-1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
     t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
@@ -3726,7 +3517,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
-    t12 = X @ W_K
+    t12 = t3.transpose(-1, -2)
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
@@ -3868,56 +3659,50 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t11 = X @ W_V
     t12 = t10 @ t11
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t4
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t4 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t3 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = t24.view((d_V, d_K, d_V, d_V))
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t25[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = G.transpose(-1, -2)
-    t31 = W_V @ t30
-    t32 = X @ t31
-    t33 = Mcausal.transpose(-1, -2)
-    t34 = t32 * t33
-    t35 = t34 @ X
-    t36 = t4 @ t35
-    t29 += oe.contract('abc,d->bcd', t36, t23, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t40 = W_Q.transpose(-1, -2)
-    t41 = t40 @ t4
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t43 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
-    t44 = oe.contract('abc,cd,ace->bead', t4, t42, X, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = X @ W_K
-    t46[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t30, t42, t47, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t50 = X @ W_Q
-    t51 = oe.contract('abc,acd->bdac', t30, t50, optimize=[(0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t44, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52[...] = 0
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t11.transpose(-1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t4 @ t18
+    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t3 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = t22.view((d_V, d_K, d_V, d_V))
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t23[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t24, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t19.transpose(-1, -2)
+    t27 += oe.contract('abc,d->bcd', t28, t21, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t32 = W_Q.transpose(-1, -2)
+    t33 = t32 @ t4
+    t34 = Mcausal.transpose(-1, -2)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd->bdac', t33, G, optimize=[(0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t4, t35, X, optimize=[(0, 1), (0, 1)])
+    t31[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = t38.view((d_V, d_V, d_V, d_K))
+    t40 = G.transpose(-1, -2)
+    t41 = t6.transpose(-1, -2)
+    t39[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t40, t35, t41, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_V, d_V, d_K))
+    t44 = t33.transpose(-1, -2)
+    t45 = oe.contract('abc,acd->bdac', t40, t44, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t45, t37, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46[...] = 0
     return H
 
 
@@ -3929,69 +3714,54 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
+    t1 = X @ W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
     t5 = (1/math.sqrt(d_K)) * t4
     T = t5
     t6 = Mcausal * T
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = V_W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = t0 @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t0
-    t22 = G @ t21
-    t23 = Mcausal * t22
-    t24 = X @ V_W_K
-    t25 = t23 @ t24
-    t26 = t0 @ t25
-    t27 = (1/math.sqrt(d_K)) * t26
-    t28 = t19 + t27
-    t29 = G.transpose(-1, -2)
-    t30 = V_W_V @ t29
-    t31 = X @ t30
-    t32 = Mcausal.transpose(-1, -2)
-    t33 = t31 * t32
-    t34 = X @ W_Q
-    t35 = t33 @ t34
-    t36 = t0 @ t35
-    t37 = (1/math.sqrt(d_K)) * t36
-    t38 = W_V @ t29
-    t39 = X @ t38
-    t40 = t39 * t32
-    t41 = X @ V_W_Q
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = t37 + t44
-    t46 = W_Q.transpose(-1, -2)
-    t47 = t46 @ t0
-    t48 = V_W_K @ t47
-    t49 = X @ t48
-    t50 = (1/math.sqrt(d_K)) * t49
-    t51 = V_W_Q.transpose(-1, -2)
-    t52 = t51 @ t0
-    t53 = W_K @ t52
-    t54 = X @ t53
-    t55 = (1/math.sqrt(d_K)) * t54
-    t56 = t50 + t55
-    t57 = t56 * t32
-    t58 = t57 @ G
-    t59 = t0 @ t58
-    return (t28.mean(0), t45.mean(0), t59.mean(0),)
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = V_W_V.transpose(-1, -2)
+    t12 = t11 @ t0
+    t13 = G @ t12
+    t14 = Mcausal * t13
+    t15 = t3.transpose(-1, -2)
+    t16 = t14 @ t15
+    t17 = t7.transpose(-1, -2)
+    t18 = G @ t17
+    t19 = Mcausal * t18
+    t20 = X @ V_W_K
+    t21 = t19 @ t20
+    t22 = t16 + t21
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = t0 @ t23
+    t25 = t13.transpose(-1, -2)
+    t26 = Mcausal.transpose(-1, -2)
+    t27 = t25 * t26
+    t28 = t27 @ t1
+    t29 = t18.transpose(-1, -2)
+    t30 = t29 * t26
+    t31 = X @ V_W_Q
+    t32 = t30 @ t31
+    t33 = t28 + t32
+    t34 = (1/math.sqrt(d_K)) * t33
+    t35 = t0 @ t34
+    t36 = t1.transpose(-1, -2)
+    t37 = t20 @ t36
+    t38 = t31.transpose(-1, -2)
+    t39 = t15 @ t38
+    t40 = t37 + t39
+    t41 = (1/math.sqrt(d_K)) * t40
+    t42 = t41 * t26
+    t43 = t42 @ G
+    t44 = t0 @ t43
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t44[0] if n_batch == 1 else t44.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -4012,40 +3782,34 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t7.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t13 @ X
+    t15 = t0 @ t14
+    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = G.transpose(-1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
+    t20 = t15.transpose(-1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = W_Q.transpose(-1, -2)
+    t24 = t23 @ t0
     t25 = Mcausal.transpose(-1, -2)
-    t26 = t24 * t25
-    t27 = t26 @ X
-    t28 = t0 @ t27
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = W_Q.transpose(-1, -2)
-    t32 = t31 @ t0
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t25, X, G, t0, t32, t25, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t24, t25, X, G, t0, t24, t25, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = G.transpose(-1, -2)
+    t29 = t2.transpose(-1, -2)
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, t29, X, t0, t28, t25, t29, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = t24.transpose(-1, -2)
+    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, X, t32, t0, t28, t25, X, t32, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = X @ W_K
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t22, t25, t35, X, t0, t22, t25, t35, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = X @ W_Q
-    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t22, t25, X, t38, t0, t22, t25, X, t38, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    return (0.0, t19, t21, t30, 0.0, t34, t37, t40, 0.0,)
+    return (0.0, t17, t19, t22, 0.0, t27, t31, t34, 0.0,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4110,19 +3874,17 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = Mcausal * t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t9.transpose(-1, -2)
+    t14 = G @ t13
+    t15 = Mcausal * t14
+    t16 = t15 @ X
+    t17 = t2 @ t16
+    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4144,19 +3906,17 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t7.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t13 @ X
+    t15 = t0 @ t14
+    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4179,12 +3939,11 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = t7 @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t12, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4206,13 +3965,12 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4257,20 +4015,19 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = W_V @ t14
-    t16 = X @ t15
-    t17 = Mcausal.transpose(-1, -2)
-    t18 = t16 * t17
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = W_V @ t13
+    t15 = X @ t14
+    t16 = Mcausal.transpose(-1, -2)
+    t17 = t15 * t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
     return out
 
 
@@ -4292,20 +4049,19 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = W_V @ t12
-    t14 = X @ t13
-    t15 = Mcausal.transpose(-1, -2)
-    t16 = t14 * t15
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = X @ t12
+    t14 = Mcausal.transpose(-1, -2)
+    t15 = t13 * t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4341,24 +4097,23 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = Mcausal.transpose(-1, -2)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = t3.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
     t11 = X @ W_V
     t12 = t10 @ t11
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4373,23 +4128,22 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ t0
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = Mcausal.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
+    t4 = t2.transpose(-1, -2)
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
     t8 = (1/math.sqrt(d_K)) * t7
     T = t8
     t9 = Mcausal * T
     t10 = X @ W_V
     t11 = t9 @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4432,15 +4186,14 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = t7 @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = Mcausal.transpose(-1, -2)
-    t15 = X @ W_K
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t13, t16, t15, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = Mcausal.transpose(-1, -2)
+    t14 = t3.transpose(-1, -2)
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t12, t15, t14, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4462,16 +4215,15 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = Mcausal.transpose(-1, -2)
-    t14 = X @ W_K
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t12, t13, t14, X, t0, t12, t13, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = Mcausal.transpose(-1, -2)
+    t13 = t2.transpose(-1, -2)
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, t13, X, t0, t11, t12, t13, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4494,17 +4246,16 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_V
     t9 = t7 @ t8
     F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = Mcausal.transpose(-1, -2)
-    t15 = X @ W_Q
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t17 = oe.contract('abc,acd->bdac', t13, t15, optimize=[(0, 1)])
-    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = Mcausal.transpose(-1, -2)
+    t14 = X @ W_Q
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t16 = oe.contract('abc,acd->bdac', t12, t14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4526,16 +4277,15 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = Mcausal.transpose(-1, -2)
-    t14 = X @ W_Q
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t12, t13, X, t14, t0, t12, t13, X, t14, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = Mcausal.transpose(-1, -2)
+    t13 = X @ W_Q
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, X, t13, t0, t11, t12, X, t13, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4575,7 +4325,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t2
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_K
+    t9 = t4.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -4587,85 +4337,81 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t16 = (1/math.sqrt(d_K)) * t15
     T = t16
     t17 = Mcausal * T
-    t18 = X @ W_V
+    t18 = t6.transpose(-1, -2)
     t19 = t17 @ t18
     F = t19
-    t20 = (2/(L*d_V)) * F
-    t21 = (-2/(L*d_V)) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t6
-    t24 = Mcausal * t23
-    t25 = t24 @ X
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
-    t13 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
-    t29 = X @ W_Q
-    t30 = oe.contract('abc,acd->bdac', t2, t29, optimize=[(0, 1)])
-    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t34 = t17 @ X
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
-    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t33 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t38, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = G.transpose(-1, -2)
-    t43 = W_V @ t42
-    t44 = X @ t43
-    t45 = Mcausal.transpose(-1, -2)
-    t46 = t44 * t45
-    t47 = t46 @ X
-    t48 = oe.contract('abc,acd->bd', t2, t47, optimize=[(0, 1)])
-    t41 += oe.contract('a,bc->bca', t27, t48, optimize=[(0, 1)])
-    t49 = W_Q.transpose(-1, -2)
-    t50 = t49 @ t2
-    t51 = (2/(L*d_K*d_V*n_batch)) * t45
-    t40 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t50, t51, t8, t45, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = oe.contract('abc,acd->bdac', t50, t29, optimize=[(0, 1)])
-    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57 = t56.view((d_V, d_K, d_V, d_V))
-    t58 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t59 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
-    t60 = oe.contract('abc,cd,ace->bead', t2, t58, X, optimize=[(0, 1), (0, 1)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t57 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t50, t61, X, W_V, t34, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t63 = t62.view((d_V, d_V, d_V, d_K))
-    t64 = T.transpose(-1, -2)
-    t65 = t45 * t64
-    t66 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
-    t67 = oe.contract('abc,acd,ade->bead', t2, t65, X, optimize=[(0, 1), (0, 1)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t58, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t69 = t68.view((d_V, d_V, d_V, d_K))
-    t69[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t65, t6, t35, t29, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
-    t70 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->eafb', t70, t60, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
-    t72 = t71.view((d_V, d_V, d_V, d_V))
-    t73 = t72.diagonal(0, 1, 3)
-    t74 = t65 @ t17
-    t75 = t74 @ X
-    t76 = t2 @ t75
-    t77 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t78 = (2/(L*d_V*n_batch)) * t77
-    t73 += oe.contract('abc,d->bcd', t76, t78, optimize=[(0, 1)])
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G @ t6
+    t23 = Mcausal * t22
+    t24 = t23 @ X
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t27 = oe.contract('abc,acd->bd', t2, t24, optimize=[(0, 1)])
+    t13 += oe.contract('a,bc->bca', t26, t27, optimize=[(0, 1)])
+    t28 = X @ W_Q
+    t29 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
+    t30 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t33 = t17 @ X
+    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t35 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('abc,cd,ace->bead', t2, t34, t33, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t32 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t37, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38[...] = 0
+    t39 = t38.view((d_V, d_K, d_V, d_K))
+    t40 = t39.diagonal(0, 1, 3)
+    t41 = t22.transpose(-1, -2)
+    t42 = Mcausal.transpose(-1, -2)
+    t43 = t41 * t42
+    t44 = t43 @ X
+    t45 = oe.contract('abc,acd->bd', t2, t44, optimize=[(0, 1)])
+    t40 += oe.contract('a,bc->bca', t26, t45, optimize=[(0, 1)])
+    t46 = t28.transpose(-1, -2)
+    t47 = (2/(L*d_K*d_V*n_batch)) * t42
+    t39 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t46, t47, t8, t42, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_K, d_V, d_K))
+    t50 = oe.contract('abc,acd->bdac', t46, t28, optimize=[(0, 1)])
+    t51 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t47, t8, t42, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t55 = oe.contract('abc,acd->bdac', t46, G, optimize=[(0, 1)])
+    t56 = oe.contract('abc,cd,ace->bead', t2, t54, X, optimize=[(0, 1), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
+    t53 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t46, t57, X, W_V, t33, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = t58.view((d_V, d_V, d_V, d_K))
+    t60 = T.transpose(-1, -2)
+    t61 = t42 * t60
+    t62 = oe.contract('abc,dc,ace->bead', t6, t34, t9, optimize=[(0, 1), (0, 1)])
+    t63 = oe.contract('abc,acd,ade->bead', t2, t61, X, optimize=[(0, 1), (0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = G.transpose(-1, -2)
+    t59 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t64, t54, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t66[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t61, t6, t34, t28, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t64, t28, optimize=[(0, 1)])
+    t66 += oe.contract('abcd,efcd->eafb', t67, t56, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
+    t69 = t68.view((d_V, d_V, d_V, d_V))
+    t70 = t69.diagonal(0, 1, 3)
+    t71 = t33.transpose(-1, -2)
+    t72 = t71 @ t33
+    t73 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t74 = (2/(L*d_V*n_batch)) * t73
+    t70 += oe.contract('abc,d->bcd', t72, t74, optimize=[(0, 1)])
     return H
 
 
@@ -4676,108 +4422,71 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = V_W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
+    t1 = X @ V_W_Q
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = t1 @ t3
+    t5 = X @ W_Q
     t6 = V_W_K.transpose(-1, -2)
     t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t8 = t5 @ t7
+    t9 = t4 + t8
     t10 = (1/math.sqrt(d_K)) * t9
-    t11 = t5 + t10
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t12 = t11 * Mcausal
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = (2/(L*math.sqrt(d_K)*d_V)) * t14
-    t16 = W_Q @ t2
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = X @ V_W_V
-    t21 = t19 @ t20
-    t22 = (2/(L*math.sqrt(d_K)*d_V)) * t21
-    t23 = t15 + t22
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = t23 @ t25
-    t27 = t19 @ t13
-    F = t27
-    t28 = (2/(L*math.sqrt(d_K)*d_V)) * F
-    t29 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
-    t30 = t28 + t29
-    t31 = V_W_V.transpose(-1, -2)
-    t32 = t31 @ t0
-    t33 = t30 @ t32
-    t34 = t26 + t33
-    t35 = t34 * Mcausal
-    t36 = X @ W_K
-    t37 = t35 @ t36
-    t38 = t0 @ t37
-    t39 = t30 @ t25
-    t40 = Mcausal * t39
-    t41 = X @ V_W_K
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = t38 + t43
-    t45 = F.transpose(-1, -2)
-    t46 = (2/(L*math.sqrt(d_K)*d_V)) * t45
-    t47 = Y.transpose(-1, -2)
-    t48 = (-2/(L*math.sqrt(d_K)*d_V)) * t47
-    t49 = t46 + t48
-    t50 = V_W_V @ t49
-    t51 = X @ t50
-    t52 = Mcausal.transpose(-1, -2)
-    t53 = T.transpose(-1, -2)
-    t54 = t52 * t53
-    t55 = t0 @ t54
-    t56 = t31 @ t55
-    t57 = (2/(L*math.sqrt(d_K)*d_V)) * t56
-    t58 = W_Q.transpose(-1, -2)
-    t59 = t58 @ t0
-    t60 = V_W_K @ t59
-    t61 = X @ t60
-    t62 = (1/math.sqrt(d_K)) * t61
-    t63 = V_W_Q.transpose(-1, -2)
-    t64 = t63 @ t0
-    t65 = W_K @ t64
-    t66 = X @ t65
-    t67 = (1/math.sqrt(d_K)) * t66
-    t68 = t62 + t67
-    t69 = t68 * t52
-    t70 = t0 @ t69
-    t71 = t24 @ t70
-    t72 = (2/(L*math.sqrt(d_K)*d_V)) * t71
-    t73 = t57 + t72
-    t74 = W_V @ t73
-    t75 = X @ t74
-    t76 = t51 + t75
-    t77 = t76 * t52
-    t78 = X @ W_Q
-    t79 = t77 @ t78
-    t80 = t0 @ t79
-    t81 = W_V @ t49
-    t82 = X @ t81
-    t83 = t82 * t52
-    t84 = X @ V_W_Q
-    t85 = t83 @ t84
-    t86 = t0 @ t85
-    t87 = t80 + t86
-    t88 = (2/(L*d_V)) * F
-    t89 = (-2/(L*d_V)) * Y
-    t90 = t88 + t89
-    t91 = t69 @ t90
-    t92 = t0 @ t91
-    t93 = (2/(L*d_V)) * t14
-    t94 = (2/(L*d_V)) * t21
-    t95 = t93 + t94
-    t96 = t54 @ t95
-    t97 = t0 @ t96
-    t98 = t92 + t97
-    return (t44.mean(0), t87.mean(0), t98.mean(0),)
+    t11 = t10 * Mcausal
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    t14 = t5 @ t3
+    t15 = (1/math.sqrt(d_K)) * t14
+    T = t15
+    t16 = Mcausal * T
+    t17 = X @ V_W_V
+    t18 = t16 @ t17
+    t19 = t13 + t18
+    t20 = (2/(L*math.sqrt(d_K)*d_V)) * t19
+    t21 = t12.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = t16 @ t12
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*math.sqrt(d_K)*d_V)) * t24
+    t26 = t17.transpose(-1, -2)
+    t27 = t25 @ t26
+    t28 = t22 + t27
+    t29 = t28 * Mcausal
+    t30 = t3.transpose(-1, -2)
+    t31 = t29 @ t30
+    t32 = t25 @ t21
+    t33 = Mcausal * t32
+    t34 = t7.transpose(-1, -2)
+    t35 = t33 @ t34
+    t36 = t31 + t35
+    t37 = t0 @ t36
+    t38 = t27.transpose(-1, -2)
+    t39 = t22.transpose(-1, -2)
+    t40 = t38 + t39
+    t41 = Mcausal.transpose(-1, -2)
+    t42 = t40 * t41
+    t43 = t42 @ t5
+    t44 = t32.transpose(-1, -2)
+    t45 = t44 * t41
+    t46 = t45 @ t1
+    t47 = t43 + t46
+    t48 = t0 @ t47
+    t49 = t8.transpose(-1, -2)
+    t50 = t4.transpose(-1, -2)
+    t51 = t49 + t50
+    t52 = (1/math.sqrt(d_K)) * t51
+    t53 = t52 * t41
+    t54 = (2/(L*d_V)) * t24
+    t55 = t53 @ t54
+    t56 = T.transpose(-1, -2)
+    t57 = t41 * t56
+    t58 = (2/(L*d_V)) * t19
+    t59 = t57 @ t58
+    t60 = t55 + t59
+    t61 = t0 @ t60
+    return ((t37[0] if n_batch == 1 else t37.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)), (t61[0] if n_batch == 1 else t61.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -4794,7 +4503,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = torch.sqrt(torch.clamp(t8, min=0.0))
     t10 = W_Q @ t2
@@ -4802,48 +4511,44 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
-    t14 = X @ W_V
+    t14 = t4.transpose(-1, -2)
     t15 = t13 @ t14
     F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G @ t4
-    t20 = Mcausal * t19
-    t21 = t20 @ X
-    t22 = X @ W_Q
-    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t21, t0, t2, Mcausal, t6, Mcausal, t22, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t22, X, t0, t2, Mcausal, t6, Mcausal, t22, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t13 @ X
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t25, W_V, t0, t2, Mcausal, X, t25, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t25, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = G.transpose(-1, -2)
-    t29 = W_V @ t28
-    t30 = X @ t29
-    t31 = Mcausal.transpose(-1, -2)
-    t32 = t30 * t31
-    t33 = t32 @ X
-    t34 = W_Q.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t33, t0, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t33, t0, t35, t31, t6, t31, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t35, t31, t6, t31, t7, X, t0, t35, t31, t6, t31, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G @ t4
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = X @ W_Q
+    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t20, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t21, X, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = t13 @ X
+    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, t24, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t18.transpose(-1, -2)
+    t28 = Mcausal.transpose(-1, -2)
+    t29 = t27 * t28
+    t30 = t29 @ X
+    t31 = t21.transpose(-1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t30, t0, t30, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t30, t0, t31, t28, t6, t28, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, t7, X, t0, t31, t28, t6, t28, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, X, t21, t0, t31, t28, t6, t28, X, t21, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t31, t28, X, G, t0, t31, t28, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t31, t28, X, G, t0, t31, t28, X, W_V, t24, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t31, t28, X, W_V, t24, t0, t31, t28, X, W_V, t24, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t35, t31, t6, t31, X, t22, t0, t35, t31, t6, t31, X, t22, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t35, t31, X, G, t0, t35, t31, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t35, t31, X, G, t0, t35, t31, X, W_V, t25, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t35, t31, X, W_V, t25, t0, t35, t31, X, W_V, t25, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = T.transpose(-1, -2)
-    t43 = t31 * t42
-    t44 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t43, t4, Mcausal, X, t7, t0, t43, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t43, t4, Mcausal, X, t7, t0, t28, t31, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t31, t7, X, t0, t28, t31, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t43, t4, Mcausal, t22, X, t0, t43, t4, Mcausal, t22, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t43, t4, Mcausal, t22, X, t0, t28, t31, X, t22, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t31, X, t22, t0, t28, t31, X, t22, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    t48 = t43 @ t13
-    t49 = t48 @ X
-    t50 = t0 @ t49
-    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
-    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    return (t9, t24, t27, t37, t39, t41, t45, t47, t52,)
+    t38 = T.transpose(-1, -2)
+    t39 = t28 * t38
+    t40 = G.transpose(-1, -2)
+    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, X, t7, t0, t39, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, X, t7, t0, t40, t28, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, t7, X, t0, t40, t28, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, t21, X, t0, t39, t4, Mcausal, t21, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, t21, X, t0, t40, t28, X, t21, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, X, t21, t0, t40, t28, X, t21, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = t24.transpose(-1, -2)
+    t46 = t45 @ t24
+    t47 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t46, t46, optimize=[(0, 1)])
+    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
+    return (t9, t23, t26, t33, t35, t37, t42, t44, t48,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4862,7 +4567,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
     t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
@@ -4884,7 +4589,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -4904,7 +4609,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t1
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_K
+    t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
@@ -4924,7 +4629,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = torch.sqrt(torch.clamp(t8, min=0.0))
     return t9
@@ -4952,26 +4657,23 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = Mcausal * t16
-    t18 = t17 @ X
-    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
-    t22 = W_V @ t15
-    t23 = X @ t22
-    t24 = X @ W_Q
-    t25 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t26 = oe.contract('abc,acd->bdac', t2, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t9.transpose(-1, -2)
+    t14 = G @ t13
+    t15 = Mcausal * t14
+    t16 = t15 @ X
+    t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
+    t20 = t9 @ t13
+    t21 = X @ W_Q
+    t22 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t23 = oe.contract('abc,acd->bdac', t2, t21, optimize=[(0, 1)])
+    t24 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t22, t20, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4993,21 +4695,18 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = W_V @ t13
-    t18 = X @ t17
-    t19 = X @ W_Q
-    t20 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t16, t0, t2, Mcausal, t18, Mcausal, t19, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t18, Mcausal, t19, X, t0, t2, Mcausal, t18, Mcausal, t19, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = t7.transpose(-1, -2)
+    t12 = G @ t11
+    t13 = Mcausal * t12
+    t14 = t13 @ X
+    t15 = t7 @ t11
+    t16 = X @ W_Q
+    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t14, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t15, Mcausal, t16, X, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5032,15 +4731,13 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
     t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t12 = X @ W_V
-    t13 = t7 @ t12
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t17, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = t8 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t15, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5060,16 +4757,14 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = Mcausal * T
     t7 = t6 @ X
-    t8 = X @ W_V
-    t9 = t6 @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t8 = t7 @ W_V
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5089,7 +4784,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
@@ -5110,7 +4805,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = t2.transpose(-1, -2)
     return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
 
 
@@ -5136,29 +4831,26 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t8 @ t9
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = W_V @ t14
-    t16 = X @ t15
-    t17 = Mcausal.transpose(-1, -2)
-    t18 = t16 * t17
-    t19 = t18 @ X
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc,acd->bd', t2, t19, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t2
-    t25 = W_V.transpose(-1, -2)
-    t26 = t25 @ t2
-    t27 = W_V @ t26
-    t28 = X @ t27
-    t29 = X @ W_K
-    t30 = (2/(L*d_K*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t24, t30, t28, t17, t29, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = W_V @ t13
+    t15 = X @ t14
+    t16 = Mcausal.transpose(-1, -2)
+    t17 = t15 * t16
+    t18 = t17 @ X
+    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
+    t22 = W_Q.transpose(-1, -2)
+    t23 = t22 @ t2
+    t24 = t9.transpose(-1, -2)
+    t25 = t9 @ t24
+    t26 = t4.transpose(-1, -2)
+    t27 = (2/(L*d_K*d_V*n_batch)) * t16
+    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t23, t27, t25, t16, t26, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5180,26 +4872,23 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ W_V
     t8 = t6 @ t7
     F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = W_V @ t12
-    t14 = X @ t13
-    t15 = Mcausal.transpose(-1, -2)
-    t16 = t14 * t15
-    t17 = t16 @ X
-    t18 = W_Q.transpose(-1, -2)
-    t19 = t18 @ t0
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t0
-    t22 = W_V @ t21
-    t23 = X @ t22
-    t24 = X @ W_K
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t17, t0, t17, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t17, t0, t19, t15, t23, t15, t24, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t19, t15, t23, t15, t24, X, t0, t19, t15, t23, t15, t24, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = X @ t12
+    t14 = Mcausal.transpose(-1, -2)
+    t15 = t13 * t14
+    t16 = t15 @ X
+    t17 = W_Q.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t7.transpose(-1, -2)
+    t20 = t7 @ t19
+    t21 = t2.transpose(-1, -2)
+    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t16, t0, t18, t14, t20, t14, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t18, t14, t20, t14, t21, X, t0, t18, t14, t20, t14, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5219,7 +4908,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = t5 @ t1
     t7 = W_V @ t6
     t8 = X @ t7
-    t9 = X @ W_Q
+    t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
     t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
@@ -5242,7 +4931,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = t2.transpose(-1, -2)
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t10 = torch.sqrt(torch.clamp(t9, min=0.0))
     return t10
@@ -5261,27 +4950,26 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = Mcausal.transpose(-1, -2)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = t3.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t1
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
     t11 = X @ W_V
     t12 = t10 @ t11
     F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = t10 @ X
-    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t20, X, W_V, t19, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t18 = t10 @ X
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t19, X, W_V, t18, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5296,24 +4984,23 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ t0
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = Mcausal.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
+    t4 = t2.transpose(-1, -2)
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t0
+    t7 = t4 @ t6
     t8 = (1/math.sqrt(d_K)) * t7
     T = t8
     t9 = Mcausal * T
     t10 = X @ W_V
     t11 = t9 @ t10
     F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t9 @ X
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t15, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t15, t0, t2, t3, X, W_V, t15, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t9 @ X
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t14, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t14, t0, t2, t3, X, W_V, t14, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5390,22 +5077,21 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = t2 * t8
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t1
-    t12 = X @ W_K
+    t12 = t4.transpose(-1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
     t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     t16 = Mcausal * T
-    t17 = X @ W_V
+    t17 = t11.transpose(-1, -2)
     t18 = t16 @ t17
     F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = G.transpose(-1, -2)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t22, t23, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t21, t22, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5428,19 +5114,18 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 * t7
     t9 = W_V.transpose(-1, -2)
     t10 = t9 @ t0
-    t11 = X @ W_K
+    t11 = t3.transpose(-1, -2)
     t12 = Mcausal * T
-    t13 = X @ W_V
+    t13 = t10.transpose(-1, -2)
     t14 = t12 @ t13
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t18, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t18, t1, t11, X, t0, t18, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t17, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, t11, X, t0, t17, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5468,18 +5153,17 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t1, t9, t11, t13, t12, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
     t14 = Mcausal * T
-    t15 = X @ W_V
+    t15 = t11.transpose(-1, -2)
     t16 = t14 @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t22 = oe.contract('abc,acd->bdac', t20, t12, optimize=[(0, 1)])
-    t23 = oe.contract('abc,cd,ace->bead', t1, t21, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t21 = oe.contract('abc,acd->bdac', t19, t12, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5504,17 +5188,16 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t0
     t11 = X @ W_Q
     t12 = Mcausal * T
-    t13 = X @ W_V
+    t13 = t10.transpose(-1, -2)
     t14 = t12 @ t13
     F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t18, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t18, t1, X, t11, t0, t18, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t17, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, X, t11, t0, t17, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5588,7 +5271,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t0
     t5 = W_V @ t4
     t6 = X @ t5
-    t7 = X @ W_K
+    t7 = t2.transpose(-1, -2)
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t9 = t8 + 0.0 + 0.0
     t10 = torch.sqrt(torch.clamp(t8, min=0.0))
@@ -5612,29 +5295,27 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t6 = X @ t5
     t7 = X @ W_Q
     t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = W_Q @ t2
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    T = t11
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G @ t4
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
-    t23 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t21, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t24 = t8 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t9 = t7 @ t2
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = Mcausal * T
+    t12 = t4.transpose(-1, -2)
+    t13 = t11 @ t12
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G @ t4
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t19, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t22 = t8 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -5657,17 +5338,16 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t10 = t6 @ t8
     F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t16 = t9 + t14 + t15
-    t17 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t17, t18, t19,)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t14 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t15 = t9 + t13 + t14
+    t16 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t17 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return (t16, t17, t18,)
 
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5687,33 +5367,30 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_K
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = W_K.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = W_Q @ t11
-    t13 = X @ t12
+    t10 = t5.transpose(-1, -2)
+    t11 = t2.transpose(-1, -2)
+    t12 = t8.transpose(-1, -2)
+    t13 = t11 @ t12
     t14 = (1/math.sqrt(d_K)) * t13
     T = t14
     t15 = Mcausal * T
-    t16 = X @ W_V
-    t17 = t15 @ t16
-    F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = W_V @ t21
-    t23 = X @ t22
-    t24 = t23 * t3
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t26, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
-    t29 = t9 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    t16 = t15 @ t10
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = t10 @ t19
+    t21 = t20 * t3
+    t22 = t21 @ X
+    t23 = t0 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t23, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
+    t26 = t9 + t24 + t25
+    t27 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -5731,7 +5408,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t5 = t4 @ t0
     t6 = W_V @ t5
     t7 = X @ t6
-    t8 = X @ W_Q
+    t8 = t2.transpose(-1, -2)
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t10 = t9 + 0.0 + 0.0
     t11 = torch.sqrt(torch.clamp(t9, min=0.0))
@@ -5751,10 +5428,10 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = Mcausal.transpose(-1, -2)
     t4 = X @ W_V
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
+    t5 = t2.transpose(-1, -2)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t0
+    t8 = t5 @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
@@ -5762,17 +5439,16 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t13 = t10 @ t4
     F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = t12 + t17 + t18
-    t20 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, t21, t22,)
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t18 = t12 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
 
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5795,24 +5471,23 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
-    t12 = X @ W_K
+    t12 = t3.transpose(-1, -2)
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = Mcausal * T
-    t15 = X @ W_V
+    t15 = t11.transpose(-1, -2)
     t16 = t14 @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t1, t12, X, t0, t20, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t20, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, t12, X, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t22 = t13 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -5838,21 +5513,20 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = Mcausal * T
-    t15 = X @ W_V
+    t15 = t11.transpose(-1, -2)
     t16 = t14 @ t15
     F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t1, X, t12, t0, t20, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t20, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, X, t12, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t22 = t13 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -6016,7 +5690,7 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     t11 = t10.sum(-1, keepdim=True)
     t12 = t11.sum(-2, keepdim=True)
     t13 = (-1/L) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -6028,10 +5702,10 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
@@ -6040,28 +5714,23 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = G.transpose(-1, -2)
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = X @ W_Q
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = T.transpose(-1, -2)
-    t30 = t29 @ G
-    t31 = t0 @ t30
-    return (t21.mean(0), t28.mean(0), t31.mean(0),)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = t8.transpose(-1, -2)
+    t15 = G @ t14
+    t16 = t0 @ t15
+    t17 = t5.transpose(-1, -2)
+    t18 = t16 @ t17
+    t19 = (1/math.sqrt(d_K)) * t18
+    t20 = t15.transpose(-1, -2)
+    t21 = t0 @ t20
+    t22 = t21 @ t3
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = T.transpose(-1, -2)
+    t25 = t0 @ t24
+    t26 = t25 @ G
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t26[0] if n_batch == 1 else t26.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -6090,68 +5759,64 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = (1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = X @ W_Q
-    t25 = t16 @ X
-    t26 = oe.contract('abc,acd->bdac', t19, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t25, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t30 = T @ X
-    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t31, t30, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t2 @ t5
-    t37 = W_Q.transpose(-1, -2)
-    t38 = t37 @ t2
-    t39 = Y.transpose(-1, -2)
-    t40 = t39.sum(-2, keepdim=True)
-    t41 = t40.expand(*t40.shape[:-2], d_V, t40.shape[-1])
-    t42 = (1/(L*d_K*n_batch)) * t38
-    t43 = oe.contract('abc,acd,adce,aef->bfad', t36, t41, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
-    t35[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_K, d_V, d_K))
-    t47 = oe.contract('abc,acd->bdac', t42, t24, optimize=[(0, 1)])
-    t48 = oe.contract('abc,acd,adce,aef->bfad', t36, t41, dA, t25, optimize=[(0, 1), (0, 1), (0, 1)])
-    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50 = t49.view((d_V, d_K, d_V, d_V))
-    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t38
-    t52 = oe.contract('abc,acd,adce->bead', t36, t41, dA, optimize=[(1, 2), (0, 1)])
-    t53 = oe.contract('abc,acd->bdac', t51, t30, optimize=[(0, 1)])
-    t50[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = T.transpose(-1, -2)
-    t57 = t2 @ t56
-    t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t59 = oe.contract('abc,abcd,ade->ceab', t8, dA, t18, optimize=[(0, 1), (0, 1)])
-    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_V, d_V, d_V, d_K))
-    t63 = oe.contract('abc,acd->bdac', t58, t24, optimize=[(0, 1)])
-    t64 = oe.contract('abc,abcd,ade->ceab', t8, dA, t25, optimize=[(0, 1), (0, 1)])
-    t62[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66 = t65.view((d_V, d_V, d_V, d_V))
-    t67 = (1/(L*n_batch)) * t57
-    t66[...] = oe.contract('abc,acd,acde,acf->bdfe', t67, t8, dA, t30, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = t6.transpose(-1, -2)
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20 = t19.view((d_V, d_K, d_V, d_K))
+    t21 = X @ W_Q
+    t22 = t5.transpose(-1, -2)
+    t23 = t22 @ X
+    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
+    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = T @ X
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t23.transpose(-1, -2)
+    t35 = t21.transpose(-1, -2)
+    t36 = Y.transpose(-1, -2)
+    t37 = t36.sum(-2, keepdim=True)
+    t38 = t37.expand(*t37.shape[:-2], d_V, t37.shape[-1])
+    t39 = (1/(L*d_K*n_batch)) * t35
+    t40 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = oe.contract('abc,acd->bdac', t39, t21, optimize=[(0, 1)])
+    t45 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = t46.view((d_V, d_K, d_V, d_V))
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t35
+    t49 = oe.contract('abc,acd,adce->bead', t34, t38, dA, optimize=[(1, 2), (0, 1)])
+    t50 = oe.contract('abc,acd->bdac', t48, t28, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t52 = t51.view((d_V, d_V, d_V, d_K))
+    t53 = t28.transpose(-1, -2)
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
+    t55 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t58 = t57.view((d_V, d_V, d_V, d_K))
+    t59 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
+    t60 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t62 = t61.view((d_V, d_V, d_V, d_V))
+    t63 = (1/(L*n_batch)) * t53
+    t62[...] = oe.contract('abc,acd,acde,acf->bdfe', t63, t8, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -6164,55 +5829,44 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
     t9 = T @ t8
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = V_W_Q @ t4
+    t11 = V_W_Q @ t5
     t12 = X @ t11
-    t13 = (1/math.sqrt(d_K)) * t12
-    t14 = V_W_K.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = W_Q @ t15
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    t19 = t13 + t18
-    t20 = t19 @ t8
-    t21 = X @ V_W_V
-    t22 = T @ t21
-    t23 = t20 + t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t2 * t25
-    t27 = W_V.transpose(-1, -2)
-    t28 = t27 @ t0
-    t29 = t26 @ t28
-    t30 = X @ W_K
-    t31 = t29 @ t30
+    t13 = V_W_K.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = t3 @ t14
+    t16 = t12 + t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    t18 = t17 @ t8
+    t19 = T @ X
+    t20 = t19 @ V_W_V
+    t21 = t18 + t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t2 * t23
+    t25 = t8.transpose(-1, -2)
+    t26 = t24 @ t25
+    t27 = t0 @ t26
+    t28 = t5.transpose(-1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K))) * t29
+    t31 = t26.transpose(-1, -2)
     t32 = t0 @ t31
-    t33 = (1/(L*math.sqrt(d_K))) * t32
-    t34 = Y.transpose(-1, -2)
-    t35 = t34.sum(-2, keepdim=True)
-    t36 = t35.expand(*t35.shape[:-2], d_V, t35.shape[-1])
-    t37 = t25.transpose(-1, -2)
-    t38 = t36 * t37
-    t39 = W_V @ t38
-    t40 = X @ t39
-    t41 = X @ W_Q
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = (1/(L*math.sqrt(d_K))) * t43
-    t45 = T.transpose(-1, -2)
-    t46 = t45 @ t26
-    t47 = t0 @ t46
-    t48 = (1/L) * t47
-    return (t33.mean(0), t44.mean(0), t48.mean(0),)
+    t33 = t32 @ t3
+    t34 = (1/(L*math.sqrt(d_K))) * t33
+    t35 = t19.transpose(-1, -2)
+    t36 = t35 @ t24
+    t37 = (1/L) * t36
+    return ((t30[0] if n_batch == 1 else t30.mean(0)), (t34[0] if n_batch == 1 else t34.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -6238,40 +5892,36 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = X @ W_Q
-    t20 = t14 @ X
-    t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t19, t20, t0, t4, t6, dA, t19, t20, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = T @ X
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t23, t0, t4, t6, dA, t23, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t0 @ t3
-    t27 = W_Q.transpose(-1, -2)
-    t28 = t27 @ t0
-    t29 = Y.transpose(-1, -2)
-    t30 = t29.sum(-2, keepdim=True)
-    t31 = t30.expand(*t30.shape[:-2], d_V, t30.shape[-1])
-    t32 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t26, t28, t31, dA, X, t16, t26, t28, t31, dA, X, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t26, t28, t31, dA, t19, t20, t26, t28, t31, dA, t19, t20, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t26, t28, t31, dA, t23, t26, t28, t31, dA, t23, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = t4.transpose(-1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t16 = X @ W_Q
+    t17 = t3.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t16, t18, t0, t4, t6, dA, t16, t18, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = T @ X
+    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t21, t0, t4, t6, dA, t21, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = t18.transpose(-1, -2)
+    t25 = t16.transpose(-1, -2)
+    t26 = Y.transpose(-1, -2)
+    t27 = t26.sum(-2, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
+    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, X, t13, t24, t25, t28, dA, X, t13, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, t16, t18, t24, t25, t28, dA, t16, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t24, t25, t28, dA, t21, t24, t25, t28, dA, t21, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = t21.transpose(-1, -2)
+    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, X, t13, t35, t6, dA, X, t13, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = T.transpose(-1, -2)
-    t39 = t0 @ t38
-    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t39, t6, dA, X, t16, t39, t6, dA, X, t16, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, t16, t18, t35, t6, dA, t16, t18, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t35, t6, dA, t21, t35, t6, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t39, t6, dA, t19, t20, t39, t6, dA, t19, t20, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t39, t6, dA, t23, t39, t6, dA, t23, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    return (t18, t22, t25, t33, t35, t37, t41, t43, t45,)
+    return (t15, t20, t23, t30, t32, t34, t37, t39, t41,)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6299,14 +5949,11 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acb->bac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t14 = t5.transpose(-1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6333,11 +5980,8 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t16, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t13 = t4.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6365,14 +6009,11 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t14 = t5.transpose(-1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6399,13 +6040,10 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t13 = t4.transpose(-1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6434,13 +6072,12 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t14 = X @ W_Q
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = t16 @ X
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,acd->bdac', t18, t14, optimize=[(0, 1)])
-    t20 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t15 = t4.transpose(-1, -2)
+    t16 = t15 @ X
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6468,12 +6105,11 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t13 = X @ W_Q
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = t15 @ X
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t16, t0, t4, t6, dA, t13, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t14 = t3.transpose(-1, -2)
+    t15 = t14 @ X
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6554,10 +6190,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6566,12 +6202,9 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t21, t8, dA, t17, t20, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = t3.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6589,10 +6222,10 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6601,11 +6234,8 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t16, t19, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t16 = t2.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6624,10 +6254,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6636,14 +6266,13 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_K
-    t20 = t18 @ t19
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t17 = t2.transpose(-1, -2)
+    t18 = t11.transpose(-1, -2)
+    t19 = t17 @ t18
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6661,10 +6290,10 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6673,13 +6302,12 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t19, t2, t4, t7, dA, X, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t16 = t1.transpose(-1, -2)
+    t17 = t10.transpose(-1, -2)
+    t18 = t16 @ t17
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6698,10 +6326,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6710,14 +6338,11 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t17 = t3.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6735,10 +6360,10 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6747,13 +6372,10 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t16 = t2.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6772,10 +6394,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -6806,10 +6428,10 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -6843,18 +6465,17 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = t8.transpose(-1, -2)
+    t12 = t11 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t17 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acb->bac', t16, t15, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6875,15 +6496,14 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t14, optimize=[(0, 3), (0, 1), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6905,8 +6525,8 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = t8.transpose(-1, -2)
+    t12 = t11 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -6914,7 +6534,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
-    t17 = X @ W_K
+    t17 = t3.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t20 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
@@ -6940,8 +6560,8 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -6949,7 +6569,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
-    t16 = X @ W_K
+    t16 = t2.transpose(-1, -2)
     t17 = t15 @ t16
     t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
@@ -6975,8 +6595,8 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = t8.transpose(-1, -2)
+    t12 = t11 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -7010,8 +6630,8 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -7045,16 +6665,15 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = t8.transpose(-1, -2)
+    t12 = t11 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t10, dA, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7075,17 +6694,16 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -7116,58 +6734,50 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = t6 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t4
-    t21 = G @ t20
-    t22 = t21 @ X
-    t23 = t4 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t3 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t28 = t4 @ G
-    t29 = t8 @ X
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t27[...] = oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = G.transpose(-1, -2)
-    t35 = W_V @ t34
-    t36 = X @ t35
-    t37 = t36 @ X
-    t38 = t4 @ t37
-    t33 += oe.contract('abc,d->bcd', t38, t25, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39[...] = 0
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = t40.view((d_V, d_K, d_V, d_V))
-    t42 = t4 @ X
-    t43 = W_Q.transpose(-1, -2)
-    t44 = t43 @ t4
-    t45 = t44 @ G
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t41[...] = oe.contract('abc,ade->bdce', t46, t45, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = X @ W_K
-    t50 = t4 @ t49
-    t51 = t34 @ X
-    t52 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t48[...] = oe.contract('abc,ade->bdec', t52, t51, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t54 = t53.view((d_V, d_V, d_V, d_K))
-    t55 = X @ W_Q
-    t56 = t34 @ t55
-    t54[...] = oe.contract('abc,ade->bdce', t46, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57[...] = 0
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = t12.transpose(-1, -2)
+    t19 = G @ t18
+    t20 = t19 @ X
+    t21 = t4 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t3 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = t24.view((d_V, d_K, d_V, d_V))
+    t26 = t4 @ G
+    t27 = t8 @ X
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t25[...] = oe.contract('abc,ade->bdec', t28, t27, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t21.transpose(-1, -2)
+    t31 += oe.contract('abc,d->bcd', t32, t23, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t36 = t4 @ X
+    t37 = W_Q.transpose(-1, -2)
+    t38 = t37 @ t4
+    t39 = t38 @ G
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t35[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t42 = t41.view((d_V, d_V, d_V, d_K))
+    t43 = t27.transpose(-1, -2)
+    t44 = t26.transpose(-1, -2)
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t48 = t39.transpose(-1, -2)
+    t47[...] = oe.contract('abc,ade->bdce', t40, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
     return H
 
 
@@ -7180,10 +6790,10 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
@@ -7192,53 +6802,38 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = V_W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = G @ t23
-    t25 = X @ V_W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = t21 + t28
-    t30 = G.transpose(-1, -2)
-    t31 = V_W_V @ t30
-    t32 = X @ t31
-    t33 = X @ W_Q
-    t34 = t32 @ t33
-    t35 = t0 @ t34
-    t36 = (1/math.sqrt(d_K)) * t35
-    t37 = W_V @ t30
-    t38 = X @ t37
-    t39 = X @ V_W_Q
-    t40 = t38 @ t39
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = V_W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = t5.transpose(-1, -2)
+    t18 = t16 @ t17
+    t19 = t8.transpose(-1, -2)
+    t20 = G @ t19
+    t21 = X @ V_W_K
+    t22 = t20 @ t21
+    t23 = t18 + t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = t0 @ t24
+    t26 = t16.transpose(-1, -2)
+    t27 = t26 @ t3
+    t28 = t20.transpose(-1, -2)
+    t29 = X @ V_W_Q
+    t30 = t28 @ t29
+    t31 = t27 + t30
+    t32 = (1/math.sqrt(d_K)) * t31
+    t33 = t0 @ t32
+    t34 = t3.transpose(-1, -2)
+    t35 = t21 @ t34
+    t36 = t29.transpose(-1, -2)
+    t37 = t17 @ t36
+    t38 = t35 + t37
+    t39 = (1/math.sqrt(d_K)) * t38
+    t40 = t39 @ G
     t41 = t0 @ t40
-    t42 = (1/math.sqrt(d_K)) * t41
-    t43 = t36 + t42
-    t44 = W_Q.transpose(-1, -2)
-    t45 = t44 @ t0
-    t46 = V_W_K @ t45
-    t47 = X @ t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = V_W_Q.transpose(-1, -2)
-    t50 = t49 @ t0
-    t51 = W_K @ t50
-    t52 = X @ t51
-    t53 = (1/math.sqrt(d_K)) * t52
-    t54 = t48 + t53
-    t55 = t54 @ G
-    t56 = t0 @ t55
-    return (t29.mean(0), t43.mean(0), t56.mean(0),)
+    return ((t25[0] if n_batch == 1 else t25.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -7262,44 +6857,36 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = t0 @ G
-    t23 = t4 @ X
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t23, t22, t23, optimize=[(0, 2), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = G.transpose(-1, -2)
-    t27 = W_V @ t26
-    t28 = X @ t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = t8.transpose(-1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t0 @ G
+    t21 = t4 @ X
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = t17.transpose(-1, -2)
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t0 @ X
+    t28 = W_Q.transpose(-1, -2)
+    t29 = t28 @ t0
+    t30 = t29 @ G
+    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t30, t27, t30, optimize=[(0, 2), (0, 1), (0, 1)])
     t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = t0 @ X
-    t34 = W_Q.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = t35 @ G
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t36, t33, t36, optimize=[(0, 2), (0, 1), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = X @ W_K
-    t40 = t0 @ t39
-    t41 = t26 @ X
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t40, t41, t40, t41, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = X @ W_Q
-    t45 = t26 @ t44
-    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t45, t33, t45, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    return (0.0, t21, t25, t32, 0.0, t38, t43, t47, 0.0,)
+    t33 = t21.transpose(-1, -2)
+    t34 = t20.transpose(-1, -2)
+    t35 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t34, t33, t34, optimize=[(0, 2), (0, 1), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = t30.transpose(-1, -2)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t37, t27, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (0.0, t19, t23, t26, 0.0, t32, t36, t39, 0.0,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7367,18 +6954,16 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = G @ t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = t10.transpose(-1, -2)
+    t17 = G @ t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7403,18 +6988,16 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = t8.transpose(-1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t0 @ t16
+    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7440,14 +7023,13 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t1 @ G
-    t17 = t5 @ X
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = t1 @ G
+    t16 = t5 @ X
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,ade->bdec', t17, t16, optimize=[(0, 1)])
     return out
 
 
@@ -7472,15 +7054,14 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t0 @ G
-    t16 = t4 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t16, t15, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = t0 @ G
+    t15 = t4 @ X
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7528,18 +7109,17 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = W_V @ t17
-    t19 = X @ t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = W_V @ t16
+    t18 = X @ t17
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7564,18 +7144,17 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = W_V @ t15
-    t17 = X @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = W_V @ t14
+    t16 = X @ t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7609,28 +7188,27 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_Q.transpose(-1, -2)
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = X @ W_V
-    t12 = T @ t11
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = t5 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
+    t4 = t3 @ t1
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = t4.transpose(-1, -2)
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    T = t11
+    t12 = X @ W_V
+    t13 = T @ t12
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = t6 * A
+    t16 = t15 - Y
+    t17 = (1/L) * t16
     G = t17
-    t18 = t3 @ t1
-    t19 = t18 @ G
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t18 = t4 @ G
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7643,29 +7221,28 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
-    t3 = Y.sum(-1, keepdim=True)
-    t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
+    t3 = t2 @ t0
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = t3.transpose(-1, -2)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = X @ W_V
+    t12 = T @ t11
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t13 / t13.sum(-1, keepdim=True)
+    t14 = t5 * A
+    t15 = t14 - Y
+    t16 = (1/L) * t15
     G = t16
-    t17 = t2 @ t0
-    t18 = t17 @ G
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t18, t1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t17 = t3 @ G
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7701,26 +7278,24 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t3 = t1 @ t2
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = X @ W_V
-    t12 = T @ t11
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = t5 * A
+    t6 = t2.transpose(-1, -2)
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = X @ W_V
+    t11 = T @ t10
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = t5 * A
+    t14 = t13 - Y
     t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = t16 @ X
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -7735,27 +7310,25 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t2 = t0 @ t1
     t3 = Y.sum(-1, keepdim=True)
     t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t4 * A
+    t5 = t1.transpose(-1, -2)
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = t4 * A
+    t13 = t12 - Y
     t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t18, t2, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = t15 @ X
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t16, t2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7782,15 +7355,14 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = X @ W_Q
-    t19 = t17 @ t18
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = X @ W_Q
+    t18 = t16 @ t17
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7816,16 +7388,15 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = X @ W_Q
-    t18 = t16 @ t17
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t18, t1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = X @ W_Q
+    t17 = t15 @ t16
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7874,104 +7445,101 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = (1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
+    t15 = t6.transpose(-1, -2)
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19[...] = 0
+    t20 = t19.view((d_V, d_K, d_V, d_K))
+    t21 = t20.diagonal(0, 1, 3)
     F = t12
-    t25 = torch.exp(F - F.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = t8 * A26
-    t28 = (1/L) * t27
-    t29 = (-1/L) * Y
-    t30 = t28 + t29
-    G = t30
-    t31 = G @ t16
-    t32 = t31 @ X
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
-    t24 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
-    t36 = X @ W_Q
-    t37 = t16 @ X
-    t38 = oe.contract('abc,acd->bdac', t19, t36, optimize=[(0, 1)])
-    t39 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = t40.view((d_V, d_K, d_V, d_V))
-    t42 = t4 @ X
-    t43 = T @ X
-    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,cd,aed,aedf->bfae', t42, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t46 = oe.contract('abc,acd->bdac', t44, t43, optimize=[(0, 1)])
-    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t48 = oe.contract('abc,acd->bda', t47, G, optimize=[(0, 1)])
-    t49 = oe.contract('abc->bca', t42, optimize=[(0,)])
-    t41 += oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t50[...] = 0
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = t51.diagonal(0, 1, 3)
-    t53 = t2 @ t5
-    t54 = G.transpose(-1, -2)
-    t52 += oe.contract('abc,acd,ade,f->bef', t53, t54, X, t34, optimize=[(0, 1), (0, 2), (0, 1)])
-    t55 = W_Q.transpose(-1, -2)
-    t56 = t55 @ t2
-    t57 = Y.transpose(-1, -2)
-    t58 = t57.sum(-2, keepdim=True)
-    t59 = t58.expand(*t58.shape[:-2], d_V, t58.shape[-1])
-    t60 = (1/(L*d_K*n_batch)) * t56
-    t61 = oe.contract('abc,acd,adce,aef->bfad', t53, t59, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = oe.contract('abc,acd->bdac', t60, X, optimize=[(0, 1)])
-    t51 += oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
-    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = t63.view((d_V, d_K, d_V, d_K))
-    t65 = oe.contract('abc,acd->bdac', t60, t36, optimize=[(0, 1)])
-    t66 = oe.contract('abc,acd,adce,aef->bfad', t53, t59, dA, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68 = t67.view((d_V, d_K, d_V, d_V))
-    t69 = t2 @ X
-    t70 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t71 = oe.contract('abc,acd->bda', t70, G, optimize=[(0, 1)])
-    t72 = oe.contract('abc->bca', t69, optimize=[(0,)])
-    t68[...] = oe.contract('abc,dec->daeb', t71, t72, optimize=[(0, 1)])
-    t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
-    t74 = oe.contract('abc,cd,ade,aedf->bfae', t69, W_V, t59, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t75 = oe.contract('abc,acd->bdac', t73, t43, optimize=[(0, 1)])
-    t68 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t77 = t76.view((d_V, d_V, d_V, d_K))
-    t78 = t54 @ X
-    t79 = oe.contract('abc,acd->bda', t47, t17, optimize=[(0, 1)])
-    t80 = oe.contract('abc->bca', t78, optimize=[(0,)])
-    t77[...] = oe.contract('abc,dec->adeb', t79, t80, optimize=[(0, 1)])
-    t81 = T.transpose(-1, -2)
-    t82 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
-    t83 = oe.contract('abc,abcd,ade->ceab', t8, dA, t18, optimize=[(0, 1), (0, 1)])
-    t84 = oe.contract('abc,acd,ade->bead', t2, t82, X, optimize=[(0, 1), (0, 1)])
-    t77 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
-    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t86 = t85.view((d_V, d_V, d_V, d_K))
-    t87 = t54 @ t36
-    t86[...] = oe.contract('abc,acd,aef->bedf', t47, X, t87, optimize=[(0, 1), (0, 1)])
-    t88 = oe.contract('abc,acd,ade->bead', t2, t82, t36, optimize=[(0, 1), (0, 1)])
-    t89 = oe.contract('abc,abcd,ade->ceab', t8, dA, t37, optimize=[(0, 1), (0, 1)])
-    t86 += oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
-    t90 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t91 = t90.view((d_V, d_V, d_V, d_V))
-    t92 = t2 @ t81
-    t93 = (1/(L*n_batch)) * t92
-    t91[...] = oe.contract('abc,acd,acde,acf->bdfe', t93, t8, dA, t43, optimize=[(1, 2), (0, 1), (0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t8 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t5.transpose(-1, -2)
+    t28 = G @ t27
+    t29 = t28 @ X
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = oe.contract('abc,acd->bd', t2, t29, optimize=[(0, 1)])
+    t21 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
+    t33 = X @ W_Q
+    t34 = t27 @ X
+    t35 = oe.contract('abc,acd->bdac', t16, t33, optimize=[(0, 1)])
+    t36 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = t4 @ X
+    t40 = T @ X
+    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42 = oe.contract('abc,cd,aed,aedf->bfae', t39, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t41, t40, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t45 = oe.contract('abc,acd->bda', t44, G, optimize=[(0, 1)])
+    t46 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t38 += oe.contract('abc,dec->adeb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47[...] = 0
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = t48.diagonal(0, 1, 3)
+    t50 = t34.transpose(-1, -2)
+    t51 = G.transpose(-1, -2)
+    t49 += oe.contract('abc,acd,ade,f->bef', t50, t51, X, t31, optimize=[(0, 1), (0, 2), (0, 1)])
+    t52 = t33.transpose(-1, -2)
+    t53 = Y.transpose(-1, -2)
+    t54 = t53.sum(-2, keepdim=True)
+    t55 = t54.expand(*t54.shape[:-2], d_V, t54.shape[-1])
+    t56 = (1/(L*d_K*n_batch)) * t52
+    t57 = oe.contract('abc,acd,adce,aef->bfad', t50, t55, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_K))
+    t61 = oe.contract('abc,acd->bdac', t56, t33, optimize=[(0, 1)])
+    t62 = oe.contract('abc,acd,adce,aef->bfad', t50, t55, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t64 = t63.view((d_V, d_K, d_V, d_V))
+    t65 = t2 @ X
+    t66 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t67 = oe.contract('abc,acd->bda', t66, G, optimize=[(0, 1)])
+    t68 = oe.contract('abc->bca', t65, optimize=[(0,)])
+    t64[...] = oe.contract('abc,dec->daeb', t67, t68, optimize=[(0, 1)])
+    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t52
+    t70 = oe.contract('abc,cd,ade,aedf->bfae', t65, W_V, t55, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, t40, optimize=[(0, 1)])
+    t64 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t73 = t72.view((d_V, d_V, d_V, d_K))
+    t74 = t4.transpose(-1, -2)
+    t75 = t51 @ X
+    t76 = oe.contract('abc,acd->bda', t44, t74, optimize=[(0, 1)])
+    t77 = oe.contract('abc->bca', t75, optimize=[(0,)])
+    t73[...] = oe.contract('abc,dec->adeb', t76, t77, optimize=[(0, 1)])
+    t78 = T.transpose(-1, -2)
+    t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t78
+    t80 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
+    t81 = oe.contract('abc,acd,ade->bead', t2, t79, X, optimize=[(0, 1), (0, 1)])
+    t73 += oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t83 = t82.view((d_V, d_V, d_V, d_K))
+    t84 = t51 @ t33
+    t83[...] = oe.contract('abc,acd,aef->bedf', t44, X, t84, optimize=[(0, 1), (0, 1)])
+    t85 = oe.contract('abc,acd,ade->bead', t2, t79, t33, optimize=[(0, 1), (0, 1)])
+    t86 = oe.contract('abc,abcd,ade->ceab', t8, dA, t34, optimize=[(0, 1), (0, 1)])
+    t83 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t88 = t87.view((d_V, d_V, d_V, d_V))
+    t89 = t40.transpose(-1, -2)
+    t90 = (1/(L*n_batch)) * t89
+    t88[...] = oe.contract('abc,acd,acde,acf->bdfe', t90, t8, dA, t40, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -7984,10 +7552,10 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = X @ W_V
@@ -7996,90 +7564,56 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/(L*math.sqrt(d_K))) * t11
-    t13 = (-1/(L*math.sqrt(d_K))) * Y
-    t14 = t12 + t13
-    t15 = V_W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = t14 @ t16
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = t14 @ t22
-    t24 = X @ V_W_K
-    t25 = t23 @ t24
-    t26 = t0 @ t25
-    t27 = V_W_Q @ t4
-    t28 = X @ t27
-    t29 = (1/math.sqrt(d_K)) * t28
-    t30 = V_W_K.transpose(-1, -2)
-    t31 = t30 @ t0
-    t32 = W_Q @ t31
-    t33 = X @ t32
-    t34 = (1/math.sqrt(d_K)) * t33
-    t35 = t29 + t34
-    t36 = t35 @ t8
-    t37 = X @ V_W_V
-    t38 = T @ t37
-    t39 = t36 + t38
-    t40 = t39 - (A * t39).sum(-1, keepdim=True)
-    t41 = A * t40
-    t42 = t2 * t41
-    t43 = t42 @ t22
-    t44 = t43 @ t18
-    t45 = t0 @ t44
-    t46 = (1/(L*math.sqrt(d_K))) * t45
-    t47 = t20 + t26 + t46
-    t48 = Y.transpose(-1, -2)
-    t49 = t48.sum(-2, keepdim=True)
-    t50 = t49.expand(*t49.shape[:-2], d_V, t49.shape[-1])
-    t51 = A.transpose(-1, -2)
-    t52 = t50 * t51
-    t53 = (1/(L*math.sqrt(d_K))) * t52
-    t54 = (-1/(L*math.sqrt(d_K))) * t48
-    t55 = t53 + t54
-    t56 = V_W_V @ t55
-    t57 = X @ t56
-    t58 = X @ W_Q
-    t59 = t57 @ t58
+    t12 = t11 - Y
+    t13 = (1/(L*math.sqrt(d_K))) * t12
+    t14 = V_W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = t13 @ t15
+    t17 = t5.transpose(-1, -2)
+    t18 = t16 @ t17
+    t19 = t8.transpose(-1, -2)
+    t20 = t13 @ t19
+    t21 = X @ V_W_K
+    t22 = t20 @ t21
+    t23 = X @ V_W_Q
+    t24 = t23 @ t5
+    t25 = t21.transpose(-1, -2)
+    t26 = t3 @ t25
+    t27 = t24 + t26
+    t28 = (1/math.sqrt(d_K)) * t27
+    t29 = t28 @ t8
+    t30 = t15.transpose(-1, -2)
+    t31 = T @ t30
+    t32 = t29 + t31
+    t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    t34 = A * t33
+    t35 = t2 * t34
+    t36 = t35 @ t19
+    t37 = t36 @ t17
+    t38 = (1/(L*math.sqrt(d_K))) * t37
+    t39 = t18 + t22 + t38
+    t40 = t0 @ t39
+    t41 = t16.transpose(-1, -2)
+    t42 = t41 @ t3
+    t43 = t20.transpose(-1, -2)
+    t44 = t43 @ t23
+    t45 = t36.transpose(-1, -2)
+    t46 = t45 @ t3
+    t47 = (1/(L*math.sqrt(d_K))) * t46
+    t48 = t42 + t44 + t47
+    t49 = t0 @ t48
+    t50 = t26.transpose(-1, -2)
+    t51 = t24.transpose(-1, -2)
+    t52 = t50 + t51
+    t53 = (1/math.sqrt(d_K)) * t52
+    t54 = (1/L) * t12
+    t55 = t53 @ t54
+    t56 = T.transpose(-1, -2)
+    t57 = t56 @ t35
+    t58 = (1/L) * t57
+    t59 = t55 + t58
     t60 = t0 @ t59
-    t61 = W_V @ t55
-    t62 = X @ t61
-    t63 = X @ V_W_Q
-    t64 = t62 @ t63
-    t65 = t0 @ t64
-    t66 = t41.transpose(-1, -2)
-    t67 = t50 * t66
-    t68 = W_V @ t67
-    t69 = X @ t68
-    t70 = t69 @ t58
-    t71 = t0 @ t70
-    t72 = (1/(L*math.sqrt(d_K))) * t71
-    t73 = t60 + t65 + t72
-    t74 = W_Q.transpose(-1, -2)
-    t75 = t74 @ t0
-    t76 = V_W_K @ t75
-    t77 = X @ t76
-    t78 = (1/math.sqrt(d_K)) * t77
-    t79 = V_W_Q.transpose(-1, -2)
-    t80 = t79 @ t0
-    t81 = W_K @ t80
-    t82 = X @ t81
-    t83 = (1/math.sqrt(d_K)) * t82
-    t84 = t78 + t83
-    t85 = (1/L) * t11
-    t86 = (-1/L) * Y
-    t87 = t85 + t86
-    t88 = t84 @ t87
-    t89 = t0 @ t88
-    t90 = T.transpose(-1, -2)
-    t91 = t90 @ t42
-    t92 = t0 @ t91
-    t93 = (1/L) * t92
-    t94 = t89 + t93
-    return (t47.mean(0), t73.mean(0), t94.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -8105,55 +7639,52 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t13 = t4.transpose(-1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
     F = t10
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t6 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t14
-    t26 = t25 @ X
-    t27 = X @ W_Q
-    t28 = t14 @ X
-    t29 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t26, t0, t26, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t26, t0, t4, t6, dA, t27, t28, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t27, t28, t0, t4, t6, dA, t27, t28, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t2 @ X
-    t32 = T @ X
-    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t31, W_V, t6, dA, t32, t0, t31, W_V, t6, dA, t32, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t31, W_V, t6, dA, t32, t0, t31, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t31, G, t0, t31, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = t0 @ t3
-    t36 = G.transpose(-1, -2)
-    t37 = W_Q.transpose(-1, -2)
-    t38 = t37 @ t0
-    t39 = Y.transpose(-1, -2)
-    t40 = t39.sum(-2, keepdim=True)
-    t41 = t40.expand(*t40.shape[:-2], d_V, t40.shape[-1])
-    t42 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t35, t36, X, t35, t36, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t35, t36, X, t35, t38, t41, dA, t16, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t35, t38, t41, dA, t16, X, t35, t38, t41, dA, t16, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t35, t38, t41, dA, t27, t28, t35, t38, t41, dA, t27, t28, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = t0 @ X
-    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t46, t38, G, t46, t38, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t46, t38, G, t46, t38, W_V, t41, dA, t32, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t46, t38, W_V, t41, dA, t32, t46, t38, W_V, t41, dA, t32, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = t36 @ X
-    t50 = T.transpose(-1, -2)
-    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t49, t0, t15, t49, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t15, t49, t0, t50, t6, dA, X, t16, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t50, t6, dA, X, t16, t0, t50, t6, dA, X, t16, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t6 * A17
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t3.transpose(-1, -2)
+    t22 = G @ t21
+    t23 = t22 @ X
+    t24 = X @ W_Q
+    t25 = t21 @ X
+    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t23, t0, t23, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t23, t0, t4, t6, dA, t24, t25, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t24, t25, t0, t4, t6, dA, t24, t25, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t2 @ X
+    t29 = T @ X
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t28, W_V, t6, dA, t29, t0, t28, W_V, t6, dA, t29, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t28, W_V, t6, dA, t29, t0, t28, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = t25.transpose(-1, -2)
+    t33 = G.transpose(-1, -2)
+    t34 = t24.transpose(-1, -2)
+    t35 = Y.transpose(-1, -2)
+    t36 = t35.sum(-2, keepdim=True)
+    t37 = t36.expand(*t36.shape[:-2], d_V, t36.shape[-1])
+    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t32, t33, X, t32, t33, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t32, t33, X, t32, t34, t37, dA, t13, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t32, t34, t37, dA, t13, X, t32, t34, t37, dA, t13, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t32, t34, t37, dA, t24, t25, t32, t34, t37, dA, t24, t25, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = t0 @ X
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t42, t34, G, t42, t34, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t42, t34, G, t42, t34, W_V, t37, dA, t29, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t42, t34, W_V, t37, dA, t29, t42, t34, W_V, t37, dA, t29, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = t2.transpose(-1, -2)
+    t46 = t33 @ X
+    t47 = T.transpose(-1, -2)
+    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t45, t46, t0, t45, t46, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t45, t46, t0, t47, t6, dA, X, t13, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, X, t13, t0, t47, t6, dA, X, t13, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t50 = t33 @ t24
+    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t50, t0, t47, t6, dA, t24, t25, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, t24, t25, t0, t47, t6, dA, t24, t25, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
     t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    t53 = t36 @ t27
-    t54 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t53, t0, X, t53, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t53, t0, t50, t6, dA, t27, t28, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t50, t6, dA, t27, t28, t0, t50, t6, dA, t27, t28, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t53 = t29.transpose(-1, -2)
+    t54 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t53, t6, dA, t29, t53, t6, dA, t29, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t55 = torch.sqrt(torch.clamp(t54, min=0.0))
-    t56 = t0 @ t50
-    t57 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t56, t6, dA, t32, t56, t6, dA, t32, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t58 = torch.sqrt(torch.clamp(t57, min=0.0))
-    return (t18, t30, t34, t43, t45, t48, t52, t55, t58,)
+    return (t15, t27, t31, t39, t41, t44, t49, t52, t55,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8181,14 +7712,11 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acb->bac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t14 = t5.transpose(-1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -8215,11 +7743,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t16, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t13 = t4.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8247,14 +7772,11 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t14 = t5.transpose(-1, -2)
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -8281,13 +7803,10 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t13 = t4.transpose(-1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8315,30 +7834,28 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = G @ t18
-    t20 = t19 @ X
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
-    t24 = t6 @ t10
-    t25 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = t10.transpose(-1, -2)
+    t17 = G @ t16
+    t18 = t17 @ X
+    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
+    t22 = t6 @ t10
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = X @ W_Q
-    t29 = t18 @ X
-    t30 = (1/(L*d_K*n_batch)) * t2
-    t31 = oe.contract('abc,acd->bdac', t30, t28, optimize=[(0, 1)])
-    t32 = oe.contract('abc,adc,adce,aef->bfad', t24, t4, dA, t29, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
+    t26 = X @ W_Q
+    t27 = t16 @ X
+    t28 = (1/(L*d_K*n_batch)) * t2
+    t29 = oe.contract('abc,acd->bdac', t28, t26, optimize=[(0, 1)])
+    t30 = oe.contract('abc,adc,adce,aef->bfad', t22, t4, dA, t27, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8363,25 +7880,23 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = t4 @ t8
-    t20 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = t8.transpose(-1, -2)
+    t15 = G @ t14
+    t16 = t15 @ X
+    t17 = t4 @ t8
+    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t23 = X @ W_Q
-    t24 = t16 @ X
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t18, t0, t19, t2, dA, t23, t24, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t19, t2, dA, t23, t24, t0, t19, t2, dA, t23, t24, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t21 = X @ W_Q
+    t22 = t14 @ X
+    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t16, t0, t17, t2, dA, t21, t22, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t17, t2, dA, t21, t22, t0, t17, t2, dA, t21, t22, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8418,14 +7933,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t6 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t25 = oe.contract('abc,acd->bda', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abc->bca', t4, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t24 = oe.contract('abc,acd->bda', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8457,13 +7971,12 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t5 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8482,10 +7995,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -8494,12 +8007,9 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t21, t8, dA, t17, t20, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = t3.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8517,10 +8027,10 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -8529,11 +8039,8 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t16, t19, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t16 = t2.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8562,32 +8069,30 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = t6 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t1 += oe.contract('abc,acd,ade,f->bef', t4, t18, X, t20, optimize=[(0, 1), (0, 2), (0, 1)])
-    t21 = W_Q.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = Y.transpose(-1, -2)
-    t24 = t23.sum(-2, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
-    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,acd,ade,f->bef', t4, t17, X, t19, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = W_Q.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = Y.transpose(-1, -2)
+    t23 = t22.sum(-2, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = W_V.transpose(-1, -2)
-    t30 = t29 @ t2
-    t31 = X @ W_K
-    t32 = t30 @ t31
-    t33 = (1/(L*d_K*n_batch)) * t22
-    t34 = oe.contract('abc,acd,adce,aef->bfad', t4, t25, dA, t32, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = oe.contract('abc,acd->bdac', t33, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = t3.transpose(-1, -2)
+    t29 = t8.transpose(-1, -2)
+    t30 = t28 @ t29
+    t31 = (1/(L*d_K*n_batch)) * t21
+    t32 = oe.contract('abc,acd,adce,aef->bfad', t4, t24, dA, t30, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -8613,28 +8118,26 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t4 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = W_Q.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = Y.transpose(-1, -2)
-    t20 = t19.sum(-2, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-2], d_V, t20.shape[-1])
-    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = W_Q.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = Y.transpose(-1, -2)
+    t19 = t18.sum(-2, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-2], d_V, t19.shape[-1])
+    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t25 = W_V.transpose(-1, -2)
-    t26 = t25 @ t0
-    t27 = X @ W_K
-    t28 = t26 @ t27
-    t29 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t16, X, t2, t16, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t16, X, t2, t18, t21, dA, t28, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t18, t21, dA, t28, X, t2, t18, t21, dA, t28, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = t1.transpose(-1, -2)
+    t25 = t6.transpose(-1, -2)
+    t26 = t24 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t15, X, t2, t15, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t15, X, t2, t17, t20, dA, t26, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t17, t20, dA, t26, X, t2, t17, t20, dA, t26, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8653,10 +8156,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = T @ t2
@@ -8665,14 +8168,11 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = X @ W_Q
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = t19 @ X
-    t21 = (1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t17 = t3.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t5
+    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8690,10 +8190,10 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -8702,13 +8202,10 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t16 = t2.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8725,10 +8222,10 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t4 = t3 @ t1
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = W_K.transpose(-1, -2)
-    t8 = t7 @ t1
-    t9 = W_Q @ t8
-    t10 = X @ t9
+    t7 = t4.transpose(-1, -2)
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
     t11 = (1/math.sqrt(d_K)) * t10
     T = t11
     t12 = X @ W_V
@@ -8737,27 +8234,26 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = t6 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,acd->bda', t19, G, optimize=[(0, 1)])
-    t21 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
-    t22 = Y.transpose(-1, -2)
-    t23 = t22.sum(-2, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,acd->bda', t18, G, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
+    t21 = Y.transpose(-1, -2)
+    t22 = t21.sum(-2, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
+    t24 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = T @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t30 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t24, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t27 = T @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t29 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t23, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t28, t27, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8773,10 +8269,10 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t0
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = t3.transpose(-1, -2)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = X @ W_V
@@ -8785,22 +8281,21 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = t5 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = Y.transpose(-1, -2)
-    t19 = t18.sum(-2, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-2], d_V, t19.shape[-1])
-    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = Y.transpose(-1, -2)
+    t18 = t17.sum(-2, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-2], d_V, t18.shape[-1])
+    t20 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = T @ X
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t20, dA, t24, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t20, dA, t24, t1, t3, W_V, t20, dA, t24, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t23 = T @ X
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t19, dA, t23, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t19, dA, t23, t1, t3, W_V, t19, dA, t23, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8822,18 +8317,17 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = t8.transpose(-1, -2)
+    t12 = t11 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t17 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acb->bac', t16, t15, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -8854,15 +8348,14 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t14, optimize=[(0, 3), (0, 1), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8877,41 +8370,38 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t2 = X @ W_K
     t3 = Y.sum(-1, keepdim=True)
     t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t1
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t4 * A
+    t5 = t2.transpose(-1, -2)
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = t4 * A
+    t13 = t12 - Y
     t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = oe.contract('abc,acd->bda', t19, t2, optimize=[(0, 1)])
-    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
-    t22 = T.transpose(-1, -2)
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = t15 @ X
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bda', t17, t2, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
+    t20 = T.transpose(-1, -2)
+    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
-    t26 = W_V.transpose(-1, -2)
-    t27 = t26 @ t1
-    t28 = t27 @ t2
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t30 = oe.contract('abc,abcd,ade->ceab', t4, dA, t28, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd,ade->bead', t1, t29, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = t9.transpose(-1, -2)
+    t25 = t24 @ t2
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t27 = oe.contract('abc,abcd,ade->ceab', t4, dA, t25, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd,ade->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -8925,36 +8415,33 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t1 = X @ W_K
     t2 = Y.sum(-1, keepdim=True)
     t3 = t2.expand(*t2.shape[:-1], d_V)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t0
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = t3 * A
+    t4 = t1.transpose(-1, -2)
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = X @ W_V
+    t9 = T @ t8
+    F = t9
+    t10 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = t3 * A
+    t12 = t11 - Y
     t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = t16 @ X
-    t18 = T.transpose(-1, -2)
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = t14 @ X
+    t16 = T.transpose(-1, -2)
+    t17 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = t23 @ t1
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t17, t0, t1, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t17, t0, t18, t3, dA, X, t24, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t18, t3, dA, X, t24, t0, t18, t3, dA, X, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
+    t20 = t8.transpose(-1, -2)
+    t21 = t20 @ t1
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t15, t0, t1, t15, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t15, t0, t16, t3, dA, X, t21, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t16, t3, dA, X, t21, t0, t16, t3, dA, X, t21, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8980,28 +8467,26 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = X @ W_Q
-    t18 = t16 @ t17
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t19, X, t18, optimize=[(0, 1), (0, 1)])
-    t20 = T.transpose(-1, -2)
-    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = X @ W_Q
+    t17 = t15 @ t16
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t18, X, t17, optimize=[(0, 1), (0, 1)])
+    t19 = T.transpose(-1, -2)
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t1
-    t26 = t25 @ X
-    t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t17, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t23 = t9.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = (1/(L*math.sqrt(d_K)*n_batch)) * t19
+    t26 = oe.contract('abc,acd,ade->bead', t1, t25, t16, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,abcd,ade->ceab', t3, dA, t24, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -9026,25 +8511,23 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = X @ W_Q
-    t17 = t15 @ t16
-    t18 = T.transpose(-1, -2)
-    t19 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t11 - Y
+    t13 = (1/L) * t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = X @ W_Q
+    t16 = t14 @ t15
+    t17 = T.transpose(-1, -2)
+    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = t23 @ X
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t17, t0, X, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t17, t0, t18, t2, dA, t16, t24, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t18, t2, dA, t16, t24, t0, t18, t2, dA, t16, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t21 = t8.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t16, t0, X, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t16, t0, t17, t2, dA, t15, t22, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t17, t2, dA, t15, t22, t0, t17, t2, dA, t15, t22, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -9066,16 +8549,15 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
+    t11 = t8.transpose(-1, -2)
+    t12 = t11 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = T @ X
-    t16 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t10, dA, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9096,17 +8578,16 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9132,15 +8613,12 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = t17 + 0.0 + 0.0
-    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, 0.0, t20,)
+    t13 = t4.transpose(-1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t15 = t14 + 0.0 + 0.0
+    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return (t16, 0.0, t17,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -9167,28 +8645,26 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t13 = X @ W_Q
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = t15 @ X
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t16, t0, t4, t6, dA, t13, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t14 = t3.transpose(-1, -2)
+    t15 = t14 @ X
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
     F = t10
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t6 * A19
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t6 * A18
+    t20 = t19 - Y
     t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t15
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t16, t26, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t29 = t17 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    G = t21
+    t22 = G @ t14
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t15, t24, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t27 = t16 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -9220,19 +8696,18 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t6 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t0 @ G
-    t22 = t2 @ X
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t21, t22, t21, t22, optimize=[(0, 2), (0, 1), (0, 1)])
-    t24 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t21, t22, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
-    t25 = t14 + t23 + t24
-    t26 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t26, t27, t28,)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t0 @ G
+    t21 = t2 @ X
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t20, t21, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
+    t24 = t14 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9249,10 +8724,10 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -9261,33 +8736,30 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t19, t2, t4, t7, dA, X, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = Y.sum(-1, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-1], d_V)
+    t16 = t1.transpose(-1, -2)
+    t17 = t10.transpose(-1, -2)
+    t18 = t16 @ t17
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t20 = Y.sum(-1, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-1], d_V)
     F = t13
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t22 * A24
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t21 * A23
+    t25 = t24 - Y
     t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = G.transpose(-1, -2)
-    t30 = W_V @ t29
-    t31 = X @ t30
-    t32 = t31 @ X
-    t33 = t0 @ t32
-    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
-    t35 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t19, t33, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t36 = t20 + t34 + t35
-    t37 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t38 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t39 = torch.sqrt(torch.clamp(t36, min=0.0))
-    return (t37, t38, t39,)
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = t1 @ t27
+    t29 = t28 @ X
+    t30 = t0 @ t29
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
+    t32 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t18, t30, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = t19 + t31 + t32
+    t34 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return (t34, t35, t36,)
 
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -9304,10 +8776,10 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -9316,15 +8788,12 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = t18 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t21 = t20 + 0.0 + 0.0
-    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, 0.0, t23,)
+    t16 = t2.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = t17 + 0.0 + 0.0
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, 0.0, t20,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -9341,10 +8810,10 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t4.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = T @ t1
@@ -9362,18 +8831,17 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t20 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = t4 @ G
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t27, t18, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t27, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t30 = t17 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t4 @ G
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t26, t18, t26, optimize=[(0, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t26, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t29 = t17 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9393,8 +8861,8 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -9402,7 +8870,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
-    t16 = X @ W_K
+    t16 = t2.transpose(-1, -2)
     t17 = t15 @ t16
     t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = t0 @ t16
@@ -9410,19 +8878,18 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t9 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t27, t19, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t27, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t30 = t18 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
+    t29 = t18 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -9442,8 +8909,8 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -9459,19 +8926,18 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = t9 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G.transpose(-1, -2)
-    t27 = t26 @ t14
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t27, t19, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t27, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t30 = t18 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = t25 @ t14
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
+    t29 = t18 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -9491,19 +8957,18 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
+    t10 = t7.transpose(-1, -2)
+    t11 = t10 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = T @ X
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t16 = t15 + 0.0 + 0.0
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = t14 + 0.0 + 0.0
+    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
     t17 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t17, 0.0, t18,)
+    return (t16, 0.0, t17,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -9529,7 +8994,7 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     t12 = t11.sum(-1, keepdim=True)
     t13 = t12.sum(-2, keepdim=True)
     t14 = (-1/L) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -9542,10 +9007,10 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -9555,32 +9020,27 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = X @ W_K
-    t21 = t19 @ t20
-    t22 = t0 @ t21
-    t23 = (1/math.sqrt(d_K)) * t22
-    t24 = G.transpose(-1, -2)
-    t25 = W_V @ t24
-    t26 = X @ t25
-    t27 = Mcausal.transpose(-1, -2)
-    t28 = t26 * t27
-    t29 = X @ W_Q
-    t30 = t28 @ t29
-    t31 = t0 @ t30
-    t32 = (1/math.sqrt(d_K)) * t31
-    t33 = T.transpose(-1, -2)
-    t34 = t27 * t33
-    t35 = t34 @ G
-    t36 = t0 @ t35
-    return (t23.mean(0), t32.mean(0), t36.mean(0),)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = t9.transpose(-1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t0 @ t17
+    t19 = t5.transpose(-1, -2)
+    t20 = t18 @ t19
+    t21 = (1/math.sqrt(d_K)) * t20
+    t22 = t16.transpose(-1, -2)
+    t23 = Mcausal.transpose(-1, -2)
+    t24 = t22 * t23
+    t25 = t0 @ t24
+    t26 = t25 @ t3
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = T.transpose(-1, -2)
+    t29 = t23 * t28
+    t30 = t0 @ t29
+    t31 = t30 @ G
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -9610,61 +9070,57 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = (1/(L*d_K*n_batch)) * Mcausal
-    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t20 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = X @ W_Q
-    t24 = oe.contract('abc->cab', t23, optimize=[(0,)])
-    t25 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t22[...] = oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t28 = t11 @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t30 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t29, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t31 = oe.contract('abc->cab', t28, optimize=[(0,)])
-    t27[...] = oe.contract('abcde,fde->abfc', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = W_Q.transpose(-1, -2)
-    t35 = t34 @ t2
-    t36 = Mcausal.transpose(-1, -2)
-    t37 = Y.transpose(-1, -2)
-    t38 = t37.sum(-2, keepdim=True)
-    t39 = t38.expand(*t38.shape[:-2], d_V, t38.shape[-1])
-    t40 = (1/(L*d_K*n_batch)) * t36
-    t41 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t35, t40, t5, t39, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t33[...] = oe.contract('abcde,fde->abfc', t41, t20, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t35, t40, t5, t39, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t43[...] = oe.contract('abc,defbc->defa', t24, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = t45.view((d_V, d_K, d_V, d_V))
-    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
-    t48 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t35, t47, t5, t39, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t46[...] = oe.contract('abcde,fde->abfc', t48, t31, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t51 = T.transpose(-1, -2)
-    t52 = t36 * t51
-    t53 = t2 @ t52
-    t54 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t53, t7, dA, t16, t29, t17, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t50[...] = oe.contract('abcde,fde->abfc', t54, t20, optimize=[(0, 1)])
-    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t56 = t55.view((d_V, d_V, d_V, d_K))
-    t57 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t53, t7, dA, t16, t29, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t56[...] = oe.contract('abc,defbc->defa', t24, t57, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t59 = t58.view((d_V, d_V, d_V, d_V))
-    t60 = (1/(L*n_batch)) * t53
-    t59[...] = oe.contract('abc,acd,acde,acf->bdfe', t60, t7, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t15 = t5.transpose(-1, -2)
+    t16 = t4.transpose(-1, -2)
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = X @ W_Q
+    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
+    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = t25.view((d_V, d_K, d_V, d_V))
+    t27 = t11 @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t29 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t28, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t30 = oe.contract('abc->cab', t27, optimize=[(0,)])
+    t26[...] = oe.contract('abcde,fde->abfc', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t22.transpose(-1, -2)
+    t34 = Mcausal.transpose(-1, -2)
+    t35 = Y.transpose(-1, -2)
+    t36 = t35.sum(-2, keepdim=True)
+    t37 = t36.expand(*t36.shape[:-2], d_V, t36.shape[-1])
+    t38 = (1/(L*d_K*n_batch)) * t34
+    t39 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t32[...] = oe.contract('abcde,fde->abfc', t39, t19, optimize=[(0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t41[...] = oe.contract('abc,defbc->defa', t23, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t46 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t33, t45, t5, t37, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t44[...] = oe.contract('abcde,fde->abfc', t46, t30, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t49 = t27.transpose(-1, -2)
+    t50 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, t16, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t48[...] = oe.contract('abcde,fde->abfc', t50, t19, optimize=[(0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_V, d_V, d_K))
+    t53 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t52[...] = oe.contract('abc,defbc->defa', t23, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t55 = t54.view((d_V, d_V, d_V, d_V))
+    t56 = (1/(L*n_batch)) * t49
+    t55[...] = oe.contract('abc,acd,acde,acf->bdfe', t56, t7, dA, t27, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -9678,10 +9134,10 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -9689,50 +9145,38 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t10 = t8 @ t9
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = V_W_Q @ t4
+    t12 = V_W_Q @ t5
     t13 = X @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    t15 = V_W_K.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = W_Q @ t16
-    t18 = X @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = t14 + t19
-    t21 = t20 * Mcausal
-    t22 = t21 @ t9
-    t23 = X @ V_W_V
-    t24 = t8 @ t23
-    t25 = t22 + t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
-    t28 = t2 * t27
-    t29 = W_V.transpose(-1, -2)
-    t30 = t29 @ t0
-    t31 = t28 @ t30
-    t32 = Mcausal * t31
-    t33 = X @ W_K
-    t34 = t32 @ t33
-    t35 = t0 @ t34
-    t36 = (1/(L*math.sqrt(d_K))) * t35
-    t37 = Y.transpose(-1, -2)
-    t38 = t37.sum(-2, keepdim=True)
-    t39 = t38.expand(*t38.shape[:-2], d_V, t38.shape[-1])
-    t40 = t27.transpose(-1, -2)
-    t41 = t39 * t40
-    t42 = W_V @ t41
-    t43 = X @ t42
-    t44 = Mcausal.transpose(-1, -2)
-    t45 = t43 * t44
-    t46 = X @ W_Q
-    t47 = t45 @ t46
-    t48 = t0 @ t47
-    t49 = (1/(L*math.sqrt(d_K))) * t48
-    t50 = T.transpose(-1, -2)
-    t51 = t44 * t50
-    t52 = t51 @ t28
-    t53 = t0 @ t52
-    t54 = (1/L) * t53
-    return (t36.mean(0), t49.mean(0), t54.mean(0),)
+    t14 = V_W_K.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = t3 @ t15
+    t17 = t13 + t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    t19 = t18 * Mcausal
+    t20 = t19 @ t9
+    t21 = t8 @ X
+    t22 = t21 @ V_W_V
+    t23 = t20 + t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t2 * t25
+    t27 = t9.transpose(-1, -2)
+    t28 = t26 @ t27
+    t29 = Mcausal * t28
+    t30 = t0 @ t29
+    t31 = t5.transpose(-1, -2)
+    t32 = t30 @ t31
+    t33 = (1/(L*math.sqrt(d_K))) * t32
+    t34 = t28.transpose(-1, -2)
+    t35 = Mcausal.transpose(-1, -2)
+    t36 = t34 * t35
+    t37 = t0 @ t36
+    t38 = t37 @ t3
+    t39 = (1/(L*math.sqrt(d_K))) * t38
+    t40 = t21.transpose(-1, -2)
+    t41 = t40 @ t26
+    t42 = (1/L) * t41
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t42[0] if n_batch == 1 else t42.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -9759,39 +9203,35 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = X @ W_Q
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t18, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t18, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = t9 @ X
-    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t21, t0, t2, Mcausal, t3, t5, dA, t21, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = W_Q.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = Mcausal.transpose(-1, -2)
-    t27 = Y.transpose(-1, -2)
-    t28 = t27.sum(-2, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-2], d_V, t28.shape[-1])
-    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t25, t26, t3, t29, dA, t14, Mcausal, X, t15, t0, t25, t26, t3, t29, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t17 = X @ W_Q
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t9 @ X
+    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t20, t0, t2, Mcausal, t3, t5, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = t17.transpose(-1, -2)
+    t24 = Mcausal.transpose(-1, -2)
+    t25 = Y.transpose(-1, -2)
+    t26 = t25.sum(-2, keepdim=True)
+    t27 = t26.expand(*t26.shape[:-2], d_V, t26.shape[-1])
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t25, t26, t3, t29, dA, t14, Mcausal, t18, X, t0, t25, t26, t3, t29, dA, t14, Mcausal, t18, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t23, t24, t3, t27, dA, t20, t0, t23, t24, t3, t27, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
     t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t25, t26, t3, t29, dA, t21, t0, t25, t26, t3, t29, dA, t21, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = T.transpose(-1, -2)
-    t37 = t26 * t36
-    t38 = t0 @ t37
-    t39 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t38, t5, dA, t14, Mcausal, X, t15, t38, t5, dA, t14, Mcausal, X, t15, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t34 = t20.transpose(-1, -2)
+    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, X, t14, t34, t5, dA, t13, Mcausal, X, t14, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, t17, X, t34, t5, dA, t13, Mcausal, t17, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t34, t5, dA, t20, t34, t5, dA, t20, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t38, t5, dA, t14, Mcausal, t18, X, t38, t5, dA, t14, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t38, t5, dA, t21, t38, t5, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t17, t20, t23, t31, t33, t35, t40, t42, t44,)
+    return (t16, t19, t22, t29, t31, t33, t36, t38, t40,)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9820,13 +9260,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t19 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t14 = t4.transpose(-1, -2)
+    t15 = t3.transpose(-1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9854,10 +9293,9 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9886,13 +9324,12 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t14 = t4.transpose(-1, -2)
+    t15 = t3.transpose(-1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9920,12 +9357,11 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9954,13 +9390,12 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_Q
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc->cab', t16, optimize=[(0,)])
-    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    t14 = t4.transpose(-1, -2)
+    t15 = X @ W_Q
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9988,12 +9423,11 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_Q
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t13 = t3.transpose(-1, -2)
+    t14 = X @ W_Q
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10077,10 +9511,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10090,11 +9524,9 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = t5.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10113,10 +9545,10 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10126,10 +9558,8 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t17 = t4.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10149,10 +9579,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10162,13 +9592,12 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_K
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t22 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t23 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
+    t18 = t5.transpose(-1, -2)
+    t19 = t11.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10187,10 +9616,10 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10200,12 +9629,11 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t17 = t4.transpose(-1, -2)
+    t18 = t10.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10225,10 +9653,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10238,13 +9666,11 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
-    t23 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    t18 = t5.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10263,10 +9689,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10276,12 +9702,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t17 = t4.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10301,10 +9725,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -10337,10 +9761,10 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -10378,19 +9802,17 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t10.transpose(-1, -2)
+    t14 = t13 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t20 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acb->bac', t19, t18, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10414,16 +9836,14 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t17, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10448,21 +9868,20 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t10.transpose(-1, -2)
+    t14 = t13 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_K
-    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t19, t21, t20, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t1
+    t19 = t4.transpose(-1, -2)
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, t19, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10486,20 +9905,19 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, X, t19, t9, t11, dA, t18, Mcausal, X, t19, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = t3.transpose(-1, -2)
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10524,21 +9942,20 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t10.transpose(-1, -2)
+    t14 = t13 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
-    t23 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t19, t21, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t1
+    t19 = X @ W_Q
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc->cab', t19, optimize=[(0,)])
+    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10562,20 +9979,19 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, t19, X, t9, t11, dA, t18, Mcausal, t19, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = X @ W_Q
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10600,17 +10016,15 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t10.transpose(-1, -2)
+    t14 = t13 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t12, dA, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -10634,18 +10048,16 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -10678,56 +10090,50 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = t6 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t4
-    t22 = G @ t21
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = t4 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t3 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t29[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t30, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = G.transpose(-1, -2)
-    t35 = W_V @ t34
-    t36 = X @ t35
-    t37 = Mcausal.transpose(-1, -2)
-    t38 = t36 * t37
-    t39 = t38 @ X
-    t40 = t4 @ t39
-    t33 += oe.contract('abc,d->bcd', t40, t27, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41[...] = 0
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = t42.view((d_V, d_K, d_V, d_V))
-    t44 = W_Q.transpose(-1, -2)
-    t45 = t44 @ t4
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t47 = oe.contract('abc,acd->bdac', t45, G, optimize=[(0, 1)])
-    t48 = oe.contract('abc,cd,ace->bead', t4, t46, X, optimize=[(0, 1), (0, 1)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t51 = X @ W_K
-    t50[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t34, t46, t51, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_V, d_V, d_K))
-    t54 = X @ W_Q
-    t55 = oe.contract('abc,acd->bdac', t34, t54, optimize=[(0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t48, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56[...] = 0
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t13.transpose(-1, -2)
+    t20 = G @ t19
+    t21 = Mcausal * t20
+    t22 = t21 @ X
+    t23 = t4 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t3 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t27[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t28, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t23.transpose(-1, -2)
+    t31 += oe.contract('abc,d->bcd', t32, t25, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t36 = W_Q.transpose(-1, -2)
+    t37 = t36 @ t4
+    t38 = Mcausal.transpose(-1, -2)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
+    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
+    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t43 = t42.view((d_V, d_V, d_V, d_K))
+    t44 = G.transpose(-1, -2)
+    t45 = t8.transpose(-1, -2)
+    t43[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t44, t39, t45, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t48 = t37.transpose(-1, -2)
+    t49 = oe.contract('abc,acd->bdac', t44, t48, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t49, t41, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50[...] = 0
     return H
 
 
@@ -10741,10 +10147,10 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -10754,59 +10160,44 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = V_W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = X @ W_K
-    t21 = t19 @ t20
-    t22 = t0 @ t21
-    t23 = (1/math.sqrt(d_K)) * t22
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = G @ t25
-    t27 = Mcausal * t26
-    t28 = X @ V_W_K
-    t29 = t27 @ t28
-    t30 = t0 @ t29
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = t23 + t31
-    t33 = G.transpose(-1, -2)
-    t34 = V_W_V @ t33
-    t35 = X @ t34
-    t36 = Mcausal.transpose(-1, -2)
-    t37 = t35 * t36
-    t38 = X @ W_Q
-    t39 = t37 @ t38
-    t40 = t0 @ t39
-    t41 = (1/math.sqrt(d_K)) * t40
-    t42 = W_V @ t33
-    t43 = X @ t42
-    t44 = t43 * t36
-    t45 = X @ V_W_Q
-    t46 = t44 @ t45
-    t47 = t0 @ t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t41 + t48
-    t50 = W_Q.transpose(-1, -2)
-    t51 = t50 @ t0
-    t52 = V_W_K @ t51
-    t53 = X @ t52
-    t54 = (1/math.sqrt(d_K)) * t53
-    t55 = V_W_Q.transpose(-1, -2)
-    t56 = t55 @ t0
-    t57 = W_K @ t56
-    t58 = X @ t57
-    t59 = (1/math.sqrt(d_K)) * t58
-    t60 = t54 + t59
-    t61 = t60 * t36
-    t62 = t61 @ G
-    t63 = t0 @ t62
-    return (t32.mean(0), t49.mean(0), t63.mean(0),)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = V_W_V.transpose(-1, -2)
+    t16 = t15 @ t0
+    t17 = G @ t16
+    t18 = Mcausal * t17
+    t19 = t5.transpose(-1, -2)
+    t20 = t18 @ t19
+    t21 = t9.transpose(-1, -2)
+    t22 = G @ t21
+    t23 = Mcausal * t22
+    t24 = X @ V_W_K
+    t25 = t23 @ t24
+    t26 = t20 + t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = t0 @ t27
+    t29 = t17.transpose(-1, -2)
+    t30 = Mcausal.transpose(-1, -2)
+    t31 = t29 * t30
+    t32 = t31 @ t3
+    t33 = t22.transpose(-1, -2)
+    t34 = t33 * t30
+    t35 = X @ V_W_Q
+    t36 = t34 @ t35
+    t37 = t32 + t36
+    t38 = (1/math.sqrt(d_K)) * t37
+    t39 = t0 @ t38
+    t40 = t3.transpose(-1, -2)
+    t41 = t24 @ t40
+    t42 = t35.transpose(-1, -2)
+    t43 = t19 @ t42
+    t44 = t41 + t43
+    t45 = (1/math.sqrt(d_K)) * t44
+    t46 = t45 * t30
+    t47 = t46 @ G
+    t48 = t0 @ t47
+    return ((t28[0] if n_batch == 1 else t28.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -10832,40 +10223,34 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = t9.transpose(-1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t4, Mcausal, G, X, t0, t4, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t4, Mcausal, G, X, t0, t4, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = G.transpose(-1, -2)
-    t27 = W_V @ t26
-    t28 = X @ t27
+    t24 = t19.transpose(-1, -2)
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = W_Q.transpose(-1, -2)
+    t28 = t27 @ t0
     t29 = Mcausal.transpose(-1, -2)
-    t30 = t28 * t29
-    t31 = t30 @ X
-    t32 = t0 @ t31
-    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = W_Q.transpose(-1, -2)
-    t36 = t35 @ t0
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t36, t29, X, G, t0, t36, t29, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t29, X, G, t0, t28, t29, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = G.transpose(-1, -2)
+    t33 = t4.transpose(-1, -2)
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, t33, X, t0, t32, t29, t33, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = t28.transpose(-1, -2)
+    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, X, t36, t0, t32, t29, X, t36, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = X @ W_K
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t26, t29, t39, X, t0, t26, t29, t39, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = X @ W_Q
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t26, t29, X, t42, t0, t26, t29, X, t42, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (0.0, t23, t25, t34, 0.0, t38, t41, t44, 0.0,)
+    return (0.0, t21, t23, t26, 0.0, t31, t35, t38, 0.0,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -10935,19 +10320,17 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = Mcausal * t20
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t11.transpose(-1, -2)
+    t18 = G @ t17
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10974,19 +10357,17 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = t9.transpose(-1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11014,12 +10395,11 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t5 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t16, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11046,13 +10426,12 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t4 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11102,20 +10481,19 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = W_V @ t18
-    t20 = X @ t19
-    t21 = Mcausal.transpose(-1, -2)
-    t22 = t20 * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = W_V @ t17
+    t19 = X @ t18
+    t20 = Mcausal.transpose(-1, -2)
+    t21 = t19 * t20
+    t22 = t21 @ X
+    t23 = t2 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11142,20 +10520,19 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = W_V @ t16
-    t18 = X @ t17
-    t19 = Mcausal.transpose(-1, -2)
-    t20 = t18 * t19
-    t21 = t20 @ X
-    t22 = t0 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = W_V @ t15
+    t17 = X @ t16
+    t18 = Mcausal.transpose(-1, -2)
+    t19 = t17 * t18
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11193,10 +10570,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t4 = Mcausal.transpose(-1, -2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = W_K.transpose(-1, -2)
-    t8 = t7 @ t1
-    t9 = W_Q @ t8
-    t10 = X @ t9
+    t7 = t3.transpose(-1, -2)
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
     t11 = (1/math.sqrt(d_K)) * t10
     T = t11
     t12 = Mcausal * T
@@ -11206,14 +10583,13 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = t6 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11230,10 +10606,10 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t3 = Mcausal.transpose(-1, -2)
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = t2.transpose(-1, -2)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = Mcausal * T
@@ -11243,13 +10619,12 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = t5 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11297,15 +10672,14 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t3 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = Mcausal.transpose(-1, -2)
-    t19 = X @ W_K
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t17, t20, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = Mcausal.transpose(-1, -2)
+    t18 = t5.transpose(-1, -2)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t16, t19, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11332,16 +10706,15 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = Mcausal.transpose(-1, -2)
-    t18 = X @ W_K
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t16, t17, t18, X, t0, t16, t17, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = Mcausal.transpose(-1, -2)
+    t17 = t4.transpose(-1, -2)
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, t17, X, t0, t15, t16, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11369,17 +10742,16 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t3 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = Mcausal.transpose(-1, -2)
-    t19 = X @ W_Q
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t21 = oe.contract('abc,acd->bdac', t17, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = Mcausal.transpose(-1, -2)
+    t18 = X @ W_Q
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t20 = oe.contract('abc,acd->bdac', t16, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11406,16 +10778,15 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = Mcausal.transpose(-1, -2)
-    t18 = X @ W_Q
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t16, t17, X, t18, t0, t16, t17, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = Mcausal.transpose(-1, -2)
+    t17 = X @ W_Q
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, X, t17, t0, t15, t16, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11465,95 +10836,91 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = X @ W_K
-    t18 = (1/(L*d_K*n_batch)) * Mcausal
-    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t20 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = t22.diagonal(0, 1, 3)
+    t15 = t5.transpose(-1, -2)
+    t16 = t4.transpose(-1, -2)
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = t21.diagonal(0, 1, 3)
     F = t12
-    t24 = torch.exp(F - F.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = t7 * A25
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t7 * A24
+    t26 = t25 - Y
     t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = G @ t16
-    t31 = Mcausal * t30
-    t32 = t31 @ X
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
-    t23 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
-    t36 = X @ W_Q
-    t37 = oe.contract('abc->cab', t36, optimize=[(0,)])
-    t38 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t22 += oe.contract('abc,defbc->defa', t37, t38, optimize=[(0, 1)])
-    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t41 = t11 @ X
-    t42 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t43 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t42, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t44 = oe.contract('abc->cab', t41, optimize=[(0,)])
-    t40[...] = oe.contract('abcde,fde->abfc', t43, t44, optimize=[(0, 1)])
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t40 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t45, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t46[...] = 0
-    t47 = t46.view((d_V, d_K, d_V, d_K))
-    t48 = t47.diagonal(0, 1, 3)
-    t49 = G.transpose(-1, -2)
-    t50 = W_V @ t49
-    t51 = X @ t50
-    t52 = Mcausal.transpose(-1, -2)
-    t53 = t51 * t52
-    t48 += oe.contract('abc,acd,ade,f->bef', t2, t53, X, t34, optimize=[(0, 1), (0, 2), (0, 1)])
-    t54 = W_Q.transpose(-1, -2)
-    t55 = t54 @ t2
-    t56 = Y.transpose(-1, -2)
-    t57 = t56.sum(-2, keepdim=True)
-    t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
-    t59 = (1/(L*d_K*n_batch)) * t52
-    t60 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t55, t59, t5, t58, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t47 += oe.contract('abcde,fde->abfc', t60, t20, optimize=[(0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_V, d_K, d_V, d_K))
-    t63 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t55, t59, t5, t58, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t62[...] = oe.contract('abc,defbc->defa', t37, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = t64.view((d_V, d_K, d_V, d_V))
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t67 = oe.contract('abc,acd->bdac', t55, G, optimize=[(0, 1)])
-    t68 = oe.contract('abc,cd,ace->bead', t2, t66, X, optimize=[(0, 1), (0, 1)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
-    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t52
-    t70 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t69, X, W_V, t58, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t55, t41, optimize=[(0, 1)])
-    t65 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = T.transpose(-1, -2)
-    t75 = t52 * t74
-    t76 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t16, t42, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t77 = oe.contract('abc,acd,ade->bead', t2, t75, X, optimize=[(0, 1), (0, 1)])
-    t73[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t73 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t49, t66, t17, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t79 = t78.view((d_V, d_V, d_V, d_K))
-    t79[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t75, t7, dA, t16, t42, t36, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
-    t80 = oe.contract('abc,acd->bdac', t49, t36, optimize=[(0, 1)])
-    t79 += oe.contract('abcd,efcd->eafb', t80, t68, optimize=[(0, 1)])
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t82 = t81.view((d_V, d_V, d_V, d_V))
-    t83 = t2 @ t75
-    t84 = (1/(L*n_batch)) * t83
-    t82[...] = oe.contract('abc,acd,acde,acf->bdfe', t84, t7, dA, t41, optimize=[(1, 2), (0, 1), (0, 1)])
+    G = t27
+    t28 = G @ t15
+    t29 = Mcausal * t28
+    t30 = t29 @ X
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc,acd->bd', t2, t30, optimize=[(0, 1)])
+    t22 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
+    t34 = X @ W_Q
+    t35 = oe.contract('abc->cab', t34, optimize=[(0,)])
+    t36 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t21 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = t11 @ X
+    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t41 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t40, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t42 = oe.contract('abc->cab', t39, optimize=[(0,)])
+    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t38 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t43, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = t45.diagonal(0, 1, 3)
+    t47 = t28.transpose(-1, -2)
+    t48 = Mcausal.transpose(-1, -2)
+    t49 = t47 * t48
+    t46 += oe.contract('abc,acd,ade,f->bef', t2, t49, X, t32, optimize=[(0, 1), (0, 2), (0, 1)])
+    t50 = t34.transpose(-1, -2)
+    t51 = Y.transpose(-1, -2)
+    t52 = t51.sum(-2, keepdim=True)
+    t53 = t52.expand(*t52.shape[:-2], d_V, t52.shape[-1])
+    t54 = (1/(L*d_K*n_batch)) * t48
+    t55 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t50, t54, t5, t53, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t45 += oe.contract('abcde,fde->abfc', t55, t19, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_K))
+    t58 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t50, t54, t5, t53, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t57[...] = oe.contract('abc,defbc->defa', t35, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t60 = t59.view((d_V, d_K, d_V, d_V))
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t62 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
+    t63 = oe.contract('abc,cd,ace->bead', t2, t61, X, optimize=[(0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
+    t65 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t64, X, W_V, t53, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t66 = oe.contract('abc,acd->bdac', t50, t39, optimize=[(0, 1)])
+    t60 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = T.transpose(-1, -2)
+    t70 = t48 * t69
+    t71 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t72 = oe.contract('abc,acd,ade->bead', t2, t70, X, optimize=[(0, 1), (0, 1)])
+    t68[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
+    t73 = G.transpose(-1, -2)
+    t68 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t73, t61, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = t74.view((d_V, d_V, d_V, d_K))
+    t75[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t70, t7, dA, t15, t40, t34, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t76 = oe.contract('abc,acd->bdac', t73, t34, optimize=[(0, 1)])
+    t75 += oe.contract('abcd,efcd->eafb', t76, t63, optimize=[(0, 1)])
+    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t78 = t77.view((d_V, d_V, d_V, d_V))
+    t79 = t39.transpose(-1, -2)
+    t80 = (1/(L*n_batch)) * t79
+    t78[...] = oe.contract('abc,acd,acde,acf->bdfe', t80, t7, dA, t39, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -11567,10 +10934,10 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
+    t3 = X @ W_Q
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = t3 @ t5
     t7 = (1/math.sqrt(d_K)) * t6
     T = t7
     t8 = Mcausal * T
@@ -11580,96 +10947,65 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/(L*math.sqrt(d_K))) * t12
-    t14 = (-1/(L*math.sqrt(d_K))) * Y
-    t15 = t13 + t14
-    t16 = V_W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t15 @ t17
-    t19 = V_W_Q @ t4
-    t20 = X @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = V_W_K.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = W_Q @ t23
-    t25 = X @ t24
-    t26 = (1/math.sqrt(d_K)) * t25
-    t27 = t21 + t26
-    t28 = t27 * Mcausal
-    t29 = t28 @ t9
-    t30 = X @ V_W_V
-    t31 = t8 @ t30
-    t32 = t29 + t31
-    t33 = t32 - (A * t32).sum(-1, keepdim=True)
-    t34 = A * t33
-    t35 = t2 * t34
-    t36 = W_V.transpose(-1, -2)
-    t37 = t36 @ t0
-    t38 = t35 @ t37
-    t39 = (1/(L*math.sqrt(d_K))) * t38
-    t40 = t18 + t39
-    t41 = t40 * Mcausal
-    t42 = X @ W_K
+    t13 = t12 - Y
+    t14 = (1/(L*math.sqrt(d_K))) * t13
+    t15 = V_W_V.transpose(-1, -2)
+    t16 = t15 @ t0
+    t17 = t14 @ t16
+    t18 = X @ V_W_Q
+    t19 = t18 @ t5
+    t20 = V_W_K.transpose(-1, -2)
+    t21 = t20 @ t0
+    t22 = t3 @ t21
+    t23 = t19 + t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    t25 = t24 * Mcausal
+    t26 = t25 @ t9
+    t27 = t16.transpose(-1, -2)
+    t28 = t8 @ t27
+    t29 = t26 + t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    t32 = t2 * t31
+    t33 = t9.transpose(-1, -2)
+    t34 = t32 @ t33
+    t35 = (1/(L*math.sqrt(d_K))) * t34
+    t36 = t17 + t35
+    t37 = t36 * Mcausal
+    t38 = t5.transpose(-1, -2)
+    t39 = t37 @ t38
+    t40 = t14 @ t33
+    t41 = Mcausal * t40
+    t42 = t21.transpose(-1, -2)
     t43 = t41 @ t42
-    t44 = t0 @ t43
-    t45 = t15 @ t37
-    t46 = Mcausal * t45
-    t47 = X @ V_W_K
-    t48 = t46 @ t47
-    t49 = t0 @ t48
-    t50 = t44 + t49
-    t51 = Y.transpose(-1, -2)
-    t52 = t51.sum(-2, keepdim=True)
-    t53 = t52.expand(*t52.shape[:-2], d_V, t52.shape[-1])
-    t54 = A.transpose(-1, -2)
-    t55 = t53 * t54
-    t56 = (1/(L*math.sqrt(d_K))) * t55
-    t57 = (-1/(L*math.sqrt(d_K))) * t51
-    t58 = t56 + t57
-    t59 = V_W_V @ t58
-    t60 = X @ t59
-    t61 = t34.transpose(-1, -2)
-    t62 = t53 * t61
-    t63 = W_V @ t62
-    t64 = X @ t63
-    t65 = (1/(L*math.sqrt(d_K))) * t64
-    t66 = t60 + t65
-    t67 = Mcausal.transpose(-1, -2)
-    t68 = t66 * t67
-    t69 = X @ W_Q
-    t70 = t68 @ t69
-    t71 = t0 @ t70
-    t72 = W_V @ t58
-    t73 = X @ t72
-    t74 = t73 * t67
-    t75 = X @ V_W_Q
-    t76 = t74 @ t75
-    t77 = t0 @ t76
-    t78 = t71 + t77
-    t79 = W_Q.transpose(-1, -2)
-    t80 = t79 @ t0
-    t81 = V_W_K @ t80
-    t82 = X @ t81
-    t83 = (1/math.sqrt(d_K)) * t82
-    t84 = V_W_Q.transpose(-1, -2)
-    t85 = t84 @ t0
-    t86 = W_K @ t85
-    t87 = X @ t86
-    t88 = (1/math.sqrt(d_K)) * t87
-    t89 = t83 + t88
-    t90 = t89 * t67
-    t91 = (1/L) * t12
-    t92 = (-1/L) * Y
-    t93 = t91 + t92
-    t94 = t90 @ t93
-    t95 = t0 @ t94
-    t96 = T.transpose(-1, -2)
-    t97 = t67 * t96
-    t98 = t97 @ t35
-    t99 = t0 @ t98
-    t100 = (1/L) * t99
-    t101 = t95 + t100
-    return (t50.mean(0), t78.mean(0), t101.mean(0),)
+    t44 = t39 + t43
+    t45 = t0 @ t44
+    t46 = t17.transpose(-1, -2)
+    t47 = t34.transpose(-1, -2)
+    t48 = (1/(L*math.sqrt(d_K))) * t47
+    t49 = t46 + t48
+    t50 = Mcausal.transpose(-1, -2)
+    t51 = t49 * t50
+    t52 = t51 @ t3
+    t53 = t40.transpose(-1, -2)
+    t54 = t53 * t50
+    t55 = t54 @ t18
+    t56 = t52 + t55
+    t57 = t0 @ t56
+    t58 = t22.transpose(-1, -2)
+    t59 = t19.transpose(-1, -2)
+    t60 = t58 + t59
+    t61 = (1/math.sqrt(d_K)) * t60
+    t62 = t61 * t50
+    t63 = (1/L) * t13
+    t64 = t62 @ t63
+    t65 = T.transpose(-1, -2)
+    t66 = t50 * t65
+    t67 = t66 @ t32
+    t68 = (1/L) * t67
+    t69 = t64 + t68
+    t70 = t0 @ t69
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t57[0] if n_batch == 1 else t57.mean(0)), (t70[0] if n_batch == 1 else t70.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -11696,54 +11032,50 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     F = t10
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t5 * A19
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t5 * A18
+    t20 = t19 - Y
     t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t14
-    t25 = Mcausal * t24
-    t26 = t25 @ X
-    t27 = X @ W_Q
-    t28 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t26, t0, t26, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t26, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = t9 @ X
-    t31 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t30, t0, t2, Mcausal, X, W_V, t5, dA, t30, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t30, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = G.transpose(-1, -2)
-    t34 = W_V @ t33
-    t35 = X @ t34
-    t36 = Mcausal.transpose(-1, -2)
-    t37 = t35 * t36
-    t38 = W_Q.transpose(-1, -2)
-    t39 = t38 @ t0
-    t40 = Y.transpose(-1, -2)
-    t41 = t40.sum(-2, keepdim=True)
-    t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
-    t43 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t37, X, t0, t37, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t37, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t39, t36, t3, t42, dA, t14, Mcausal, t27, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t27, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t39, t36, X, G, t0, t39, t36, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t39, t36, X, G, t0, t39, t36, X, W_V, t42, dA, t30, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t39, t36, X, W_V, t42, dA, t30, t0, t39, t36, X, W_V, t42, dA, t30, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    G = t21
+    t22 = G @ t13
+    t23 = Mcausal * t22
+    t24 = t23 @ X
+    t25 = X @ W_Q
+    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t24, t0, t24, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t24, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t9 @ X
+    t29 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, W_V, t5, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t22.transpose(-1, -2)
+    t32 = Mcausal.transpose(-1, -2)
+    t33 = t31 * t32
+    t34 = t25.transpose(-1, -2)
+    t35 = Y.transpose(-1, -2)
+    t36 = t35.sum(-2, keepdim=True)
+    t37 = t36.expand(*t36.shape[:-2], d_V, t36.shape[-1])
+    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t33, X, t0, t33, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t33, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t34, t32, X, G, t0, t34, t32, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t34, t32, X, G, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t34, t32, X, W_V, t37, dA, t28, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = T.transpose(-1, -2)
+    t45 = t32 * t44
+    t46 = G.transpose(-1, -2)
+    t47 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t45, t5, dA, t13, Mcausal, X, t14, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t46, t32, t14, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, t14, X, t0, t46, t32, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = T.transpose(-1, -2)
-    t50 = t36 * t49
-    t51 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t50, t5, dA, t14, Mcausal, X, t15, t0, t50, t5, dA, t14, Mcausal, X, t15, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t50, t5, dA, t14, Mcausal, X, t15, t0, t33, t36, t15, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, t15, X, t0, t33, t36, t15, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    t53 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t50, t5, dA, t14, Mcausal, t27, X, t0, t50, t5, dA, t14, Mcausal, t27, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t50, t5, dA, t14, Mcausal, t27, X, t0, t33, t36, X, t27, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, X, t27, t0, t33, t36, X, t27, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
-    t55 = t0 @ t50
-    t56 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t55, t5, dA, t30, t55, t5, dA, t30, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t57 = torch.sqrt(torch.clamp(t56, min=0.0))
-    return (t17, t29, t32, t44, t46, t48, t52, t54, t57,)
+    t49 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t45, t5, dA, t13, Mcausal, t25, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t46, t32, X, t25, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, X, t25, t0, t46, t32, X, t25, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    t51 = t28.transpose(-1, -2)
+    t52 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t51, t5, dA, t28, t51, t5, dA, t28, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t53 = torch.sqrt(torch.clamp(t52, min=0.0))
+    return (t16, t27, t30, t39, t41, t43, t48, t50, t53,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11772,13 +11104,12 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t19 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t14 = t4.transpose(-1, -2)
+    t15 = t3.transpose(-1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11806,10 +11137,9 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11838,13 +11168,12 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t14 = t4.transpose(-1, -2)
+    t15 = t3.transpose(-1, -2)
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11872,12 +11201,11 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11907,29 +11235,27 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = Mcausal * t20
-    t22 = t21 @ X
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t2, t22, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
-    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t11.transpose(-1, -2)
+    t18 = G @ t17
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = X @ W_Q
-    t30 = (1/(L*d_K*n_batch)) * Mcausal
-    t31 = oe.contract('abc->cab', t29, optimize=[(0,)])
-    t32 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t30, t11, t4, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t27 = X @ W_Q
+    t28 = (1/(L*d_K*n_batch)) * Mcausal
+    t29 = oe.contract('abc->cab', t27, optimize=[(0,)])
+    t30 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t28, t11, t4, dA, t17, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11956,24 +11282,22 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = t9.transpose(-1, -2)
+    t16 = G @ t15
+    t17 = Mcausal * t16
+    t18 = t17 @ X
+    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = X @ W_Q
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t20, t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t22 = X @ W_Q
+    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t18, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12011,12 +11335,11 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = t5 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t24, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t23, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12049,13 +11372,12 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t4 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12075,10 +11397,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -12088,11 +11410,9 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = t5.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -12111,10 +11431,10 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12124,10 +11444,8 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t17 = t4.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12157,35 +11475,33 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = t4 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = W_V @ t18
-    t20 = X @ t19
-    t21 = Mcausal.transpose(-1, -2)
-    t22 = t20 * t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,acd,ade,f->bef', t2, t22, X, t24, optimize=[(0, 1), (0, 2), (0, 1)])
-    t25 = W_Q.transpose(-1, -2)
-    t26 = t25 @ t2
-    t27 = Y.transpose(-1, -2)
-    t28 = t27.sum(-2, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-2], d_V, t28.shape[-1])
-    t30 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A31 = t30 / t30.sum(-1, keepdim=True)
-    t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = W_V @ t17
+    t19 = X @ t18
+    t20 = Mcausal.transpose(-1, -2)
+    t21 = t19 * t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,acd,ade,f->bef', t2, t21, X, t23, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = W_Q.transpose(-1, -2)
+    t25 = t24 @ t2
+    t26 = Y.transpose(-1, -2)
+    t27 = t26.sum(-2, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
+    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A31, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A31, A31, optimize=[(0, 1)])
-    t33 = W_V.transpose(-1, -2)
-    t34 = t33 @ t2
-    t35 = X @ W_K
-    t36 = (1/(L*d_K*n_batch)) * t21
-    t37 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t26, t36, t11, t29, dA, t34, Mcausal, t35, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t38 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0 += oe.contract('abcde,fde->abfc', t37, t38, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A30, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A30, A30, optimize=[(0, 1)])
+    t32 = t11.transpose(-1, -2)
+    t33 = t6.transpose(-1, -2)
+    t34 = (1/(L*d_K*n_batch)) * t20
+    t35 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t25, t34, t11, t28, dA, t32, Mcausal, t33, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t36 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0 += oe.contract('abcde,fde->abfc', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -12212,31 +11528,29 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = t2 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = W_V @ t16
-    t18 = X @ t17
-    t19 = Mcausal.transpose(-1, -2)
-    t20 = t18 * t19
-    t21 = W_Q.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = Y.transpose(-1, -2)
-    t24 = t23.sum(-2, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
-    t26 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t12 - Y
+    t14 = (1/L) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = W_V @ t15
+    t17 = X @ t16
+    t18 = Mcausal.transpose(-1, -2)
+    t19 = t17 * t18
+    t20 = W_Q.transpose(-1, -2)
+    t21 = t20 @ t0
+    t22 = Y.transpose(-1, -2)
+    t23 = t22.sum(-2, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
+    t25 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = W_V.transpose(-1, -2)
-    t30 = t29 @ t0
-    t31 = X @ W_K
-    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t20, X, t0, t20, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t20, X, t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return t33
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = t9.transpose(-1, -2)
+    t29 = t4.transpose(-1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t19, X, t0, t19, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t19, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return t31
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12256,10 +11570,10 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = Y.transpose(-1, -2)
     t7 = t6.sum(-2, keepdim=True)
     t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
     t13 = (1/math.sqrt(d_K)) * t12
     T = t13
     t14 = Mcausal * T
@@ -12269,13 +11583,11 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = X @ W_Q
-    t21 = (1/(L*d_K*n_batch)) * t4
-    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
-    t23 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    t18 = t5.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t4
+    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -12294,10 +11606,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12307,12 +11619,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t17 = t4.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12330,10 +11640,10 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t4 = Mcausal.transpose(-1, -2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = W_K.transpose(-1, -2)
-    t8 = t7 @ t1
-    t9 = W_Q @ t8
-    t10 = X @ t9
+    t7 = t3.transpose(-1, -2)
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t1
+    t10 = t7 @ t9
     t11 = (1/math.sqrt(d_K)) * t10
     T = t11
     t12 = Mcausal * T
@@ -12343,27 +11653,26 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = t6 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = Y.transpose(-1, -2)
-    t24 = t23.sum(-2, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = Y.transpose(-1, -2)
+    t23 = t22.sum(-2, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
+    t25 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = t12 @ X
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t31 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t30, X, W_V, t25, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t3, t29, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = t12 @ X
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t30 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t29, X, W_V, t24, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t3, t28, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -12380,10 +11689,10 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = Mcausal.transpose(-1, -2)
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t0
-    t8 = W_Q @ t7
-    t9 = X @ t8
+    t6 = t2.transpose(-1, -2)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t0
+    t9 = t6 @ t8
     t10 = (1/math.sqrt(d_K)) * t9
     T = t10
     t11 = Mcausal * T
@@ -12393,22 +11702,21 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = t5 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = Y.transpose(-1, -2)
-    t20 = t19.sum(-2, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-2], d_V, t20.shape[-1])
-    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = Y.transpose(-1, -2)
+    t19 = t18.sum(-2, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-2], d_V, t19.shape[-1])
+    t21 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t25 = t11 @ X
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t21, dA, t25, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t21, dA, t25, t0, t2, t3, X, W_V, t21, dA, t25, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = t11 @ X
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t20, dA, t24, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12433,19 +11741,17 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t10.transpose(-1, -2)
+    t14 = t13 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t20 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acb->bac', t19, t18, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -12469,16 +11775,14 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t17, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12510,24 +11814,22 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_K
-    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t18, t20, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t22 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t17 = t13.transpose(-1, -2)
+    t18 = t4.transpose(-1, -2)
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t20 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     F = t14
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t11 * A24
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
     t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = G.transpose(-1, -2)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t29, t30, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t27, t28, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12558,21 +11860,19 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
+    t16 = t12.transpose(-1, -2)
+    t17 = t3.transpose(-1, -2)
     F = t13
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t10 * A20
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t10 * A19
+    t21 = t20 - Y
     t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t17, Mcausal, X, t18, t0, t8, t10, dA, t17, Mcausal, X, t18, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t8, t10, dA, t16, Mcausal, X, t17, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t23, t1, t17, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, t17, X, t0, t23, t1, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12604,24 +11904,22 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t18, t20, t19, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = t13.transpose(-1, -2)
+    t18 = X @ W_Q
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t17, t19, t18, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
     F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t11 * A22
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = t22 - Y
     t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t29 = oe.contract('abc,acd->bdac', t27, t19, optimize=[(0, 1)])
-    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t27 = oe.contract('abc,acd->bdac', t25, t18, optimize=[(0, 1)])
+    t28 = oe.contract('abc,cd,ace->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -12652,21 +11950,19 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
+    t16 = t12.transpose(-1, -2)
+    t17 = X @ W_Q
     F = t13
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t10 * A20
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t10 * A19
+    t21 = t20 - Y
     t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t17, Mcausal, t18, X, t0, t8, t10, dA, t17, Mcausal, t18, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t8, t10, dA, t16, Mcausal, t17, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t23, t1, X, t17, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, X, t17, t0, t23, t1, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12691,17 +11987,15 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = t10.transpose(-1, -2)
+    t14 = t13 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t18 = t13 @ X
-    t19 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t12, dA, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = (1/(L*n_batch)) * t10
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -12725,18 +12019,16 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12763,14 +12055,13 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t17 = t16 + 0.0 + 0.0
+    t13 = t3.transpose(-1, -2)
+    t14 = t2.transpose(-1, -2)
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = t15 + 0.0 + 0.0
+    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
     t18 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, 0.0, t19,)
+    return (t17, 0.0, t18,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -12797,29 +12088,27 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_Q
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t13 = t3.transpose(-1, -2)
+    t14 = X @ W_Q
+    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     F = t10
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t5 * A18
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t5 * A17
+    t19 = t18 - Y
     t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t14
-    t24 = Mcausal * t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
-    t28 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t26, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t29 = t16 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    G = t20
+    t21 = G @ t13
+    t22 = Mcausal * t21
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t24, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t27 = t15 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -12852,17 +12141,16 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t5 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t22 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t23 = t14 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = t14 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
 
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12880,10 +12168,10 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12893,33 +12181,30 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = Y.sum(-1, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-1], d_V)
+    t17 = t4.transpose(-1, -2)
+    t18 = t10.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = Y.sum(-1, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-1], d_V)
     F = t14
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t22 * A24
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t21 * A23
+    t25 = t24 - Y
     t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = G.transpose(-1, -2)
-    t30 = W_V @ t29
-    t31 = X @ t30
-    t32 = t31 * t3
-    t33 = t32 @ X
-    t34 = t0 @ t33
-    t35 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)])
-    t36 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t34, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t37 = t20 + t35 + t36
-    t38 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t39 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t40 = torch.sqrt(torch.clamp(t37, min=0.0))
-    return (t38, t39, t40,)
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = t4 @ t27
+    t29 = t28 * t3
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)])
+    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t31, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t34 = t19 + t32 + t33
+    t35 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t35, t36, t37,)
 
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -12937,10 +12222,10 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12950,14 +12235,12 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t21 = t20 + 0.0 + 0.0
-    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, 0.0, t23,)
+    t17 = t4.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t19 = t18 + 0.0 + 0.0
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, 0.0, t21,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -12975,10 +12258,10 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t5 = Y.transpose(-1, -2)
     t6 = t5.sum(-2, keepdim=True)
     t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
+    t8 = t2.transpose(-1, -2)
+    t9 = W_K.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = t8 @ t10
     t12 = (1/math.sqrt(d_K)) * t11
     T = t12
     t13 = Mcausal * T
@@ -12996,17 +12279,16 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = t20 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t29 = t18 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t28 = t18 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -13029,34 +12311,32 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_K
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, X, t19, t9, t11, dA, t18, Mcausal, X, t19, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t11 * A22
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = t3.transpose(-1, -2)
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = t22 - Y
     t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t27, t1, t19, X, t0, t27, t1, t19, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t18, Mcausal, X, t19, t0, t27, t1, t19, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t30 = t20 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t28 = t19 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -13079,34 +12359,32 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = X @ W_Q
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, t19, X, t9, t11, dA, t18, Mcausal, t19, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t11 * A22
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = X @ W_Q
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = t22 - Y
     t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t27, t1, X, t19, t0, t27, t1, X, t19, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t18, Mcausal, t19, X, t0, t27, t1, X, t19, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t30 = t20 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t28 = t19 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -13129,20 +12407,18 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t9 = t0 @ t8
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t12 = t9.transpose(-1, -2)
+    t13 = t12 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t17 = t12 @ X
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = t18 + 0.0 + 0.0
-    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, 0.0, t21,)
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t17 = t16 + 0.0 + 0.0
+    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, 0.0, t19,)
 
 
 VARIANTS = {

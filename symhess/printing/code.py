@@ -15,6 +15,7 @@ the batch mean, so the Hessian is too).  Unknown nodes raise: nothing falls back
 """
 from __future__ import annotations
 
+from fractions import Fraction
 from functools import lru_cache
 
 import opt_einsum as oe
@@ -53,6 +54,9 @@ class Routine:
         self.count = 0
         self.lw = lowering or Lowering()
         self.inter = {}                       # Named -> compact tensor name
+        self.uses = {}                        # factor tuple -> chains holding it (plan)
+        self.products = {}                    # factor tuple -> (name, transposed)
+        self.transposed = {}                  # name of a transposed view -> name of its base
         self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
         for n in variables:
@@ -117,30 +121,88 @@ class Routine:
     def batched(self, *names):
         return any(self.is_batched[m] for m in names)
 
+    def plan(self, exprs):
+        """Count, over every product chain of ``exprs``, the chains holding each sub-chain
+        (either orientation: BᵀAᵀ is (AB)ᵀ), so ``_chain`` can amortise a shared product."""
+        for e in exprs:
+            for n in E.walk(e):
+                if isinstance(n, E.MatMul):
+                    for piece in _pieces(n.args):
+                        for i in range(len(piece)):
+                            for j in range(i + 2, len(piece) + 1):
+                                for key in set(_orientations(piece[i:j])):
+                                    self.uses[key] = self.uses.get(key, 0) + 1
+
     def _chain(self, factors):
-        """Product of plain matrices in the cheapest order for the representative sizes."""
-        names = [self.mat(f) for f in factors]
-        if len(names) == 1:
-            return names[0]
+        """Product of plain matrices in the cheapest order for the representative sizes.
+
+        A sub-product already computed (in either orientation) costs nothing; one that
+        other chains of the routine share (``plan``) costs its flops over its users.
+        """
+        factors = list(factors)
+        if len(factors) == 1:
+            return self.mat(factors[0])
+        cost, split = self._order(factors)
+
+        def build(i, j):
+            if i == j:
+                return self.mat(factors[i])
+            have = self._have(factors[i:j + 1])
+            if have is not None:
+                return have
+            m = split[(i, j)]
+            a, b = build(i, m), build(m + 1, j)
+            name = self.emit(f"{a} @ {b}", self.batched(a, b))
+            key = tuple(factors[i:j + 1])
+            self.products.setdefault(key, (name, False))
+            self.products.setdefault(_orientations(key)[1], (name, True))
+            return name
+
+        return build(0, len(factors) - 1)
+
+    def _order(self, factors):
+        """(cost, split) of the matrix-chain dynamic programme over ``factors``."""
         dims = [self._rep(factors[0].rows)] + [self._rep(f.cols) for f in factors]
-        k = len(names)
-        cost = {(i, i): 0 for i in range(k)}
+        k = len(factors)
+        cost = {(i, i): Fraction(0) for i in range(k)}
         split = {}
         for span in range(1, k):
             for i in range(k - span):
                 j = i + span
+                key = tuple(factors[i:j + 1])
+                if key in self.products:
+                    cost[(i, j)], split[(i, j)] = Fraction(0), i
+                    continue
+                share = max(1, self.uses.get(key, 1))
                 cost[(i, j)], split[(i, j)] = min(
-                    (cost[(i, m)] + cost[(m + 1, j)] + dims[i] * dims[m + 1] * dims[j + 1], m)
+                    (cost[(i, m)] + cost[(m + 1, j)]
+                     + Fraction(dims[i] * dims[m + 1] * dims[j + 1], share), m)
                     for m in range(i, j))
+        return cost, split
 
-        def build(i, j):
-            if i == j:
-                return names[i]
-            m = split[(i, j)]
-            a, b = build(i, m), build(m + 1, j)
-            return self.emit(f"{a} @ {b}", self.batched(a, b))
+    def chain_cost(self, factors):
+        """Flops (amortised, at the representative sizes) of the product of ``factors``."""
+        factors = list(factors)
+        if len(factors) < 2:
+            return Fraction(0)
+        return self._order(factors)[0][(0, len(factors) - 1)]
 
-        return build(0, k - 1)
+    def T(self, name):
+        """The transposed view of ``name`` (remembered: an entrywise function of it is the
+        transpose of the function of its base, which may be computed already)."""
+        if name in self.transposed:
+            return self.transposed[name]
+        out = self.emit(self.fmt("T", name), self.batched(name))
+        self.transposed.setdefault(out, name)
+        return out
+
+    def _have(self, factors):
+        """The name of an already computed product of ``factors`` (a view if transposed)."""
+        hit = self.products.get(tuple(factors))
+        if hit is None:
+            return None
+        name, transposed = hit
+        return self.T(name) if transposed else name
 
     def _rep(self, d):
         return _rep_size(sp.sympify(d), tuple(sorted(self.env.items(), key=lambda kv: kv[0].name)))
@@ -481,6 +543,26 @@ def _layout_score(spec, last):
     return (int(natural == out), run)
 
 
+def _pieces(factors):
+    """The runs of a factor list between ones factors (those print as row/column sums)."""
+    piece = []
+    for f in factors:
+        if isinstance(f, E.Ones):
+            if piece:
+                yield tuple(piece)
+            piece = []
+        else:
+            piece.append(f)
+    if piece:
+        yield tuple(piece)
+
+
+def _orientations(factors):
+    """(A₁…A_k, A_kᵀ…A₁ᵀ): a chain and the chain of its transpose."""
+    factors = tuple(factors)
+    return factors, tuple(E.transpose(f) for f in reversed(factors))
+
+
 def _prod(xs):
     out = 1
     for x in xs:
@@ -592,8 +674,64 @@ def _matmul(rt, n):
 
 @_m(E.Add)
 def _add(rt, n):
-    names = [rt.mat(a) for a in n.args]
-    return rt.emit(" + ".join(names), rt.batched(*names))
+    """A sum printed with its shared structure pulled out (each saves passes or products):
+    Σ F Rᵢ = F (Σ Rᵢ) when cheaper, Σ c rᵢ Bᵢ = c Σ rᵢ Bᵢ (rᵢ rational), Σ Bᵢᵀ = (Σ Bᵢ)ᵀ."""
+    terms = [E._split(t) for t in n.args]
+    common = _common_factor(rt, terms)
+    if common is not None:
+        idx, outer, side = common
+        inner = E.add(*(E.scale(terms[i][0], E.matmul(*_rest(terms[i][1], side))) for i in idx))
+        prod = E.matmul(outer, inner) if side == "left" else E.matmul(inner, outer)
+        rest = [E.scale(c, core) for i, (c, core) in enumerate(terms) if i not in idx]
+        return rt.mat(E.add(prod, *rest) if rest else prod)
+    c = terms[0][0]
+    c = -c if c.could_extract_minus_sign() else c
+    if c.as_coeff_Mul()[1] != 1 and all((ci / c).is_Rational for ci, _ in terms):
+        inner = rt.mat(E.add(*(E.scale(ci / c, core) for ci, core in terms)))
+        return rt.emit(_scaled(rt, c, inner), rt.batched(inner))
+    if all(isinstance(core, E.Transpose) for _, core in terms):
+        inner = rt.mat(E.add(*(E.scale(ci, core.args[0]) for ci, core in terms)))
+        return rt.T(inner)
+    out, names = [], []
+    for ci, core in sorted(terms, key=lambda t: t[0].could_extract_minus_sign()):
+        neg = ci.could_extract_minus_sign()
+        name = rt.mat(E.scale(-ci if neg else ci, core))
+        names.append(name)
+        out.append(("- " if neg else "+ ") + name)
+    code = " ".join(out)
+    code = code[2:] if code.startswith("+ ") else "-" + code[2:]
+    return rt.emit(code, rt.batched(*names))
+
+
+def _rest(core, side):
+    """The factors of a product without its first (``left``) or last (``right``) one."""
+    f = list(core.args)
+    return f[1:] if side == "left" else f[:-1]
+
+
+def _common_factor(rt, terms):
+    """(term indices, F, side) whose factoring Σ F Rᵢ → F (Σ Rᵢ) saves the most flops at the
+    representative sizes (amortised as in ``Routine._chain``); None when nothing is saved."""
+    best = None
+    for side in ("left", "right"):
+        groups = {}
+        for i, (_, core) in enumerate(terms):
+            if isinstance(core, E.MatMul) and not any(isinstance(x, E.Ones) for x in core.args):
+                end = core.args[0] if side == "left" else core.args[-1]
+                groups.setdefault(end, []).append(i)
+        for outer, idx in groups.items():
+            if len(idx) < 2:
+                continue
+            chains = [list(terms[i][1].args) for i in idx]
+            rests = [_rest(terms[i][1], side) for i in idx]
+            before = sum(rt.chain_cost(f) for f in chains)
+            rows, cols = ((outer.rows, rests[0][-1].cols) if side == "left"
+                          else (rests[0][0].rows, outer.cols))
+            mid = outer.cols if side == "left" else outer.rows
+            after = sum(rt.chain_cost(r) for r in rests) + rt._rep(rows) * rt._rep(mid) * rt._rep(cols)
+            if before >= after and (best is None or before - after > best[0]):
+                best = (before - after, idx, outer, side)
+    return None if best is None else best[1:]
 
 
 @_m(E.Scale)
@@ -604,8 +742,7 @@ def _scale(rt, n):
 
 @_m(E.Transpose)
 def _transpose(rt, n):
-    a = rt.mat(n.args[0])
-    return rt.emit(rt.fmt("T", a), rt.batched(a))
+    return rt.T(rt.mat(n.args[0]))
 
 
 @_m(E.Hadamard)
@@ -617,6 +754,9 @@ def _hadamard(rt, n):
 @_m(E.Elementwise)
 def _elementwise(rt, n):
     a = rt.mat(n.args[0])
+    if a in rt.transposed:            # f(Bᵀ) = f(B)ᵀ: reuse f(B)
+        base = rt.transposed[a]
+        return rt.T(rt.emit(scalar_code(rt.t, n.fn.expr, base), rt.batched(base)))
     return rt.emit(scalar_code(rt.t, n.fn.expr, a), rt.batched(a))
 
 
@@ -657,7 +797,8 @@ def _softmax_diff2(rt, n):
     """d²A[E,F] = w − A rowsum(w), w = A ∘ (E − rowsum(A∘E)) ∘ (F − rowsum(A∘F))."""
     a, e, f = (rt.mat(x) for x in n.args)
     b = rt.batched(a, e, f)
-    w = rt.emit(f"{a} * {_centred(rt, a, e)} * {_centred(rt, a, f)}", b)
+    da = rt.emit(f"{a} * {_centred(rt, a, e)}", rt.batched(a, e))   # = dA[E], often needed too
+    w = rt.emit(f"{da} * {_centred(rt, a, f)}", b)
     return rt.emit(f"{w} - {a} * {rt.fmt('sum_last', w)}", b)
 
 
