@@ -107,52 +107,61 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
-    t15 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t16 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t18 = np.reshape(t17, (d_V, d_K, d_V, d_V), copy=False)
-    t19 = A @ X
-    M_1 = t19
-    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t18[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = (2/(L*d_K*d_V*n_batch)) * t23
-    t22[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t24, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t13 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t16 = np.reshape(t15, (d_V, d_K, d_V, d_K), copy=False)
+    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t20 = np.reshape(t19, (d_V, d_K, d_V, d_V), copy=False)
+    t21 = A @ X
+    M_1 = t21
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t23 = oe.contract('ab,cdeb,ef->afcd', t22, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = oe.contract('ab,cdb,cde,ef->afcd', t24, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
-    t31 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t23
-    t32 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cdb,cde->aecd', t31, X, M_1, optimize=[(0, 1), (0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_V, d_V, d_K), copy=False)
-    t36 = np.swapaxes(M_1, -1, -2)
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t36
-    t35[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t37, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
-    t40 = oe.contract('abc,acd,de->beac', t37, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t39[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42[...] = 0
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_V), copy=False)
-    t44 = np.einsum('abcb->abc', t43)
-    t45 = t36 @ M_1
-    t46 = np.ones((d_V,), dtype=X.dtype)
-    t47 = (2/(L*d_V*n_batch)) * t46
-    t44 += oe.contract('abc,d->bdc', t45, t47, optimize=[(0, 1)])
+    t27 = np.swapaxes(W_Q, -1, -2)
+    t28 = (2/(L*d_K*d_V*n_batch)) * t27
+    t29 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('ab,cdb,cde->aecd', t28, X, X, optimize=[(0, 1), (0, 1)])
+    t26[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = oe.contract('ab,cdb,cde,ef->afcd', t28, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
+    t38 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdb,cde->aecd', t37, X, M_1, optimize=[(0, 1), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
+    t42 = np.swapaxes(M_1, -1, -2)
+    t43 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
+    t44 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
+    t48 = oe.contract('abc,acd,de->beac', t43, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t49 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50[...] = 0
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
+    t52 = np.einsum('abcb->abc', t51)
+    t53 = t42 @ M_1
+    t54 = np.ones((d_V,), dtype=X.dtype)
+    t55 = (2/(L*d_V*n_batch)) * t54
+    t56 = oe.contract('abc->bc', t53, optimize=[(0,)])
+    t52 += oe.contract('ab,c->acb', t56, t55, optimize=[(0, 1)])
     return H
 
 
@@ -327,7 +336,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -437,7 +448,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('ab,cdeb,ef->afcd', t10, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -548,7 +561,9 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -717,7 +732,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -768,7 +784,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -884,7 +902,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -946,65 +965,67 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t19 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = np.einsum('abcb->abc', t21)
-    t23 = t17 @ X
-    t24 = t3 @ t23
-    t25 = np.ones((d_K,), dtype=X.dtype)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t22 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
-    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
-    t21 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
+    t20 = oe.contract('ab,cdbe,ef->afcd', t19, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t26 = np.einsum('abcb->abc', t23)
+    t27 = t17 @ X
+    t28 = t3 @ t27
+    t29 = np.ones((d_K,), dtype=X.dtype)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cdeb->aecd', t31, M_2, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t37 = np.swapaxes(t24, -1, -2)
-    t36 += oe.contract('abc,d->bdc', t37, t26, optimize=[(0, 1)])
-    t38 = np.swapaxes(W_Q, -1, -2)
-    t39 = (1/(d_K*n_batch)) * t38
-    t40 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t41 = oe.contract('ab,cbd,cde->aecd', t39, t3, X, optimize=[(0, 1), (0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = oe.contract('ab,cbd,cde,ef->afcd', t39, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t45 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t49 = oe.contract('ab,cdb,cde->aecd', t48, X, G, optimize=[(0, 1), (0, 1)])
-    t50 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t47[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_V, d_V, d_K), copy=False)
-    t53 = np.swapaxes(G, -1, -2)
-    t54 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t55 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
-    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
-    t59 = oe.contract('abc,acd,de->beac', t54, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t60 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t58[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t35 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t36 = oe.contract('ab,cdeb->aecd', t34, M_2, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
+    t39 = np.swapaxes(W_Q, -1, -2)
+    t40 = (1/(d_K*n_batch)) * t39
+    t41 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cbd,cde->aecd', t40, t3, X, optimize=[(0, 1), (0, 1)])
+    t43 = np.einsum('abcb->abc', t38)
+    t44 = np.swapaxes(t28, -1, -2)
+    t45 = oe.contract('abc->bc', t44, optimize=[(0,)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 += oe.contract('ab,c->acb', t45, t30, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t48 = oe.contract('ab,cbd,cde,ef->afcd', t40, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = np.reshape(t50, (d_V, d_K, d_V, d_V), copy=False)
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t53 = oe.contract('ab,cdb,cde->aecd', t52, X, G, optimize=[(0, 1), (0, 1)])
+    t54 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_V, d_V, d_K), copy=False)
+    t57 = np.swapaxes(G, -1, -2)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t59 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
+    t56[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
+    t63 = oe.contract('abc,acd,de->beac', t58, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65[...] = 0
     return H
 
 
@@ -1236,7 +1257,9 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t18 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdbe,ef->afcd', t18, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1283,43 +1306,43 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
-    A = t8 / t8.sum(-1, keepdims=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = np.ones((d_K,), dtype=X.dtype)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
-    t22 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(W_V, -1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
+    t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t3
-    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t18, M_3, optimize=[(0, 1)])
+    t21 = np.einsum('abcb->abc', t0)
+    t22 = t16 @ X
+    t23 = t2 @ t22
+    t24 = np.ones((d_K,), dtype=X.dtype)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
     return out
 
 
@@ -1462,7 +1485,9 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cbd,cde,ea->acd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1508,9 +1533,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -1531,22 +1555,23 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdims=True)
     t17 = A * t16
-    t18 = np.swapaxes(t17, -1, -2)
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = np.ones((d_K,), dtype=X.dtype)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = np.eye(L, dtype=X.dtype)
+    t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t23
-    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cbd,cde->aecd', t19, t2, X, optimize=[(0, 1), (0, 1)])
+    t22 = np.einsum('abcb->abc', t0)
+    t23 = np.swapaxes(t17, -1, -2)
+    t24 = t23 @ X
+    t25 = t2 @ t24
+    t26 = np.ones((d_K,), dtype=X.dtype)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc->bc', t25, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
     return out
 
 
@@ -1937,104 +1962,135 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t10 @ t3
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
+    t13 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t10 @ t3
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdims=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t24 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
-    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t34[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t35, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
-    t34 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
-    t41 = np.einsum('abcb->abc', t40)
-    t42 = np.swapaxes(t26, -1, -2)
-    t41 += oe.contract('abc,d->bdc', t42, t28, optimize=[(0, 1)])
-    t43 = np.swapaxes(W_Q, -1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = (2/(L*d_K*d_V*n_batch)) * t43
-    t40 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t47, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
-    t50 = oe.contract('ab,cdb,cde,ef->afcd', t47, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t51 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
-    t52 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t49 += oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = np.reshape(t54, (d_V, d_K, d_V, d_V), copy=False)
-    t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t43
-    t57 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t58 = oe.contract('ab,cdb,cde->aecd', t56, X, M_1, optimize=[(0, 1), (0, 1)])
-    t55[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t60 = oe.contract('ab,cdb,cde->aecd', t59, X, G, optimize=[(0, 1), (0, 1)])
-    t61 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t55 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
-    t64 = np.swapaxes(M_1, -1, -2)
-    t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t64
-    t63[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t65, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t66 = np.swapaxes(G, -1, -2)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
-    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
-    t72 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t73 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t71 += oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76[...] = 0
-    t77 = np.reshape(t76, (d_V, d_V, d_V, d_V), copy=False)
-    t78 = np.einsum('abcb->abc', t77)
-    t79 = t64 @ M_1
-    t80 = np.ones((d_V,), dtype=X.dtype)
-    t81 = (2/(L*d_V*n_batch)) * t80
-    t78 += oe.contract('abc,d->bdc', t79, t81, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t2
+    t24 = oe.contract('ab,cdbe,ef->afcd', t23, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t26 = np.reshape(t13, t13.shape[:2] + (-1,))
+    t27 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t28 = np.concatenate([t26, t27], axis=-1)
+    t29 = np.reshape(t14, t14.shape[:2] + (-1,))
+    t30 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t31 = np.concatenate([t29, t30], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = np.einsum('abcb->abc', t33)
+    t39 = t22 @ X
+    t40 = t3 @ t39
+    t41 = np.ones((d_K,), dtype=X.dtype)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = oe.contract('abc->bc', t40, optimize=[(0,)])
+    t44 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t45 = np.reshape(t36, t36.shape[:2] + (-1,))
+    t46 = np.concatenate([t44, t45], axis=-1)
+    t47 = np.reshape(t35, t35.shape[:2] + (-1,))
+    t48 = np.reshape(t37, t37.shape[:2] + (-1,))
+    t49 = np.concatenate([t47, t48], axis=-1)
+    t33[...] = oe.contract('abg,efg->aefb', t46, t49, optimize=[(0, 1)])
+    t38 += oe.contract('ab,c->acb', t43, t42, optimize=[(0, 1)])
+    t50 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = np.reshape(t50, (d_V, d_K, d_V, d_V), copy=False)
+    t52 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t53 = oe.contract('ab,cdeb,ef->afcd', t52, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t54 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t56 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t57 = oe.contract('ab,cdeb->aecd', t55, M_2, optimize=[(0, 1)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t51 += oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
+    t60 = np.swapaxes(W_Q, -1, -2)
+    t61 = (1/(d_K*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cbd,cde->aecd', t61, t3, X, optimize=[(0, 1), (0, 1)])
+    t64 = (2/(L*d_K*d_V*n_batch)) * t60
+    t65 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t66 = oe.contract('ab,cdb,cde->aecd', t64, X, X, optimize=[(0, 1), (0, 1)])
+    t67 = np.einsum('abcb->abc', t59)
+    t68 = np.swapaxes(t40, -1, -2)
+    t69 = oe.contract('abc->bc', t68, optimize=[(0,)])
+    t70 = np.reshape(t62, t62.shape[:2] + (-1,))
+    t71 = np.reshape(t65, t65.shape[:2] + (-1,))
+    t72 = np.concatenate([t70, t71], axis=-1)
+    t73 = np.reshape(t63, t63.shape[:2] + (-1,))
+    t74 = np.reshape(t66, t66.shape[:2] + (-1,))
+    t75 = np.concatenate([t73, t74], axis=-1)
+    t59[...] = oe.contract('abg,efg->aefb', t72, t75, optimize=[(0, 1)])
+    t67 += oe.contract('ab,c->acb', t69, t42, optimize=[(0, 1)])
+    t76 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t77 = np.reshape(t76, (d_V, d_K, d_V, d_K), copy=False)
+    t78 = oe.contract('ab,cdb,cde,ef->afcd', t64, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t79 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t80 = oe.contract('ab,cbd,cde,ef->afcd', t61, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t82 = np.reshape(t78, t78.shape[:2] + (-1,))
+    t83 = np.reshape(t80, t80.shape[:2] + (-1,))
+    t84 = np.concatenate([t82, t83], axis=-1)
+    t85 = np.reshape(t79, t79.shape[:2] + (-1,))
+    t86 = np.reshape(t81, t81.shape[:2] + (-1,))
+    t87 = np.concatenate([t85, t86], axis=-1)
+    t77[...] = oe.contract('abg,efg->eafb', t84, t87, optimize=[(0, 1)])
+    t88 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t89 = np.reshape(t88, (d_V, d_K, d_V, d_V), copy=False)
+    t90 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t60
+    t91 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t92 = oe.contract('ab,cdb,cde->aecd', t90, X, M_1, optimize=[(0, 1), (0, 1)])
+    t93 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t94 = oe.contract('ab,cdb,cde->aecd', t93, X, G, optimize=[(0, 1), (0, 1)])
+    t95 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t89[...] = oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
+    t89 += oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
+    t98 = np.swapaxes(M_1, -1, -2)
+    t99 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t98
+    t100 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t101 = oe.contract('abc,acd->bdac', t99, X, optimize=[(0, 1)])
+    t102 = np.swapaxes(G, -1, -2)
+    t103 = (1/(math.sqrt(d_K)*n_batch)) * t102
+    t104 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t105 = oe.contract('abc,acd->bdac', t103, X, optimize=[(0, 1)])
+    t97[...] = oe.contract('abcd,efcd->eafb', t100, t101, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t104, t105, optimize=[(0, 1)])
+    t106 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t107 = np.reshape(t106, (d_V, d_V, d_V, d_K), copy=False)
+    t108 = oe.contract('abc,acd,de->beac', t99, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t109 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t110 = oe.contract('abc,acd,de->beac', t103, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t111 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t107[...] = oe.contract('abcd,efcd->aefb', t108, t109, optimize=[(0, 1)])
+    t107 += oe.contract('abcd,efcd->eafb', t110, t111, optimize=[(0, 1)])
+    t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t112[...] = 0
+    t113 = np.reshape(t112, (d_V, d_V, d_V, d_V), copy=False)
+    t114 = np.einsum('abcb->abc', t113)
+    t115 = t98 @ M_1
+    t116 = np.ones((d_V,), dtype=X.dtype)
+    t117 = (2/(L*d_V*n_batch)) * t116
+    t118 = oe.contract('abc->bc', t115, optimize=[(0,)])
+    t114 += oe.contract('ab,c->acb', t118, t117, optimize=[(0, 1)])
     return H
 
 
@@ -2197,7 +2253,6 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
     t12 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
     t13 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     t14 = A @ X
     M_1 = t14
     t15 = M_1 @ W_V
@@ -2216,6 +2271,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = (1/(d_K*n_batch)) * t1
     t23 = oe.contract('ab,cdbe,ea->acd', t22, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t24 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
@@ -2283,24 +2339,33 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = t9 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
+    t12 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t9 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cdbe,ef->afcd', t22, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t25 = np.reshape(t12, t12.shape[:2] + (-1,))
+    t26 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t27 = np.concatenate([t25, t26], axis=-1)
+    t28 = np.reshape(t13, t13.shape[:2] + (-1,))
+    t29 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t30 = np.concatenate([t28, t29], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -2352,52 +2417,57 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
-    A = t8 / t8.sum(-1, keepdims=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(W_V, -1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = np.ones((d_K,), dtype=X.dtype)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
-    t22 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(W_V, -1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
+    t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t3
-    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t18, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t26 = W_V @ t13
-    t27 = (2/(L*d_K*d_V*n_batch)) * t3
-    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t21 = W_V @ t12
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t23 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('ab,cdeb,ef,cdfg->agcd', t22, M_2, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = np.einsum('abcb->abc', t0)
+    t26 = t16 @ X
+    t27 = t2 @ t26
+    t28 = np.ones((d_K,), dtype=X.dtype)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc->bc', t27, optimize=[(0,)])
+    t31 = np.reshape(t19, t19.shape[:2] + (-1,))
+    t32 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t33 = np.concatenate([t31, t32], axis=-1)
+    t34 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t35 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t36 = np.concatenate([t34, t35], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t33, t36, optimize=[(0, 1)])
+    t25 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2468,16 +2538,18 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t16 = oe.contract('ab,cdeb->aecd', t14, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t11 = oe.contract('ab,cdeb,ef->afcd', t10, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2539,7 +2611,6 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
     t13 = oe.contract('ab,cdb,cde,ea->acd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = oe.contract('abcd,ce,abed->dab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -2556,7 +2627,10 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t23, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = oe.contract('ab,cbd,cde,ea->acd', t23, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2607,9 +2681,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -2630,29 +2703,37 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdims=True)
     t17 = A * t16
-    t18 = np.swapaxes(t17, -1, -2)
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = np.ones((d_K,), dtype=X.dtype)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = np.eye(L, dtype=X.dtype)
+    t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t23
-    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cbd,cde->aecd', t19, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t28 = W_V @ t13
-    t29 = (2/(L*d_K*d_V*n_batch)) * t23
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = W_V @ t13
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t24 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t22, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('ab,cdb,cde->aecd', t23, X, X, optimize=[(0, 1), (0, 1)])
+    t26 = np.einsum('abcb->abc', t0)
+    t27 = np.swapaxes(t17, -1, -2)
+    t28 = t27 @ X
+    t29 = t2 @ t28
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = oe.contract('abc->bc', t29, optimize=[(0,)])
+    t33 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t34 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t35 = np.concatenate([t33, t34], axis=-1)
+    t36 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t37 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t35, t38, optimize=[(0, 1)])
+    t26 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
     return out
 
 
@@ -2728,7 +2809,6 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
     t13 = oe.contract('ab,cdb,cde,ef->afcd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -2747,7 +2827,13 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = (1/(d_K*n_batch)) * t1
     t24 = oe.contract('ab,cbd,cde,ef->afcd', t23, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = np.reshape(t13, t13.shape[:2] + (-1,))
+    t27 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t28 = np.concatenate([t26, t27], axis=-1)
+    t29 = np.reshape(t14, t14.shape[:2] + (-1,))
+    t30 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t31 = np.concatenate([t29, t30], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
     return out
 
 
@@ -2820,7 +2906,6 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
     t13 = oe.contract('ab,cdb,cde->aecd', t11, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     t14 = M_1 @ W_V
     F = t14
     t15 = F - Y
@@ -2829,6 +2914,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
     t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -2887,7 +2973,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2938,17 +3025,19 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t13 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3014,7 +3103,6 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t13 = oe.contract('abc,acd,de->beac', t12, X, W_Q, optimize=[(1, 2), (0, 1)])
     t14 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t15 = M_1 @ W_V
     F = t15
     t16 = F - Y
@@ -3024,6 +3112,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
     t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -3086,7 +3175,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -3721,52 +3811,61 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t16 = np.reshape(t15, (d_V, d_K, d_V, d_K), copy=False)
-    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_V), copy=False)
-    t21 = A @ X
-    M_1 = t21
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t24 = np.reshape(t23, (d_V, d_K, d_V, d_K), copy=False)
-    t25 = np.swapaxes(W_Q, -1, -2)
-    t26 = (2/(L*d_K*d_V*n_batch)) * t25
-    t24[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t26, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t18 = np.reshape(t17, (d_V, d_K, d_V, d_K), copy=False)
+    t19 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
+    t23 = A @ X
+    M_1 = t23
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t25 = oe.contract('ab,cdeb,ef->afcd', t24, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = oe.contract('ab,cdb,cde,ef->afcd', t26, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t28[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
-    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t25
-    t34 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cdb,cde->aecd', t33, X, M_1, optimize=[(0, 1), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_V, d_V, d_K), copy=False)
-    t38 = np.swapaxes(M_1, -1, -2)
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t38
-    t37[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t39, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t42 = oe.contract('abc,acd,de->beac', t39, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t43 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t41[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44[...] = 0
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
-    t46 = np.einsum('abcb->abc', t45)
-    t47 = t38 @ M_1
-    t48 = np.ones((d_V,), dtype=X.dtype)
-    t49 = (2/(L*d_V*n_batch)) * t48
-    t46 += oe.contract('abc,d->bdc', t47, t49, optimize=[(0, 1)])
+    t29 = np.swapaxes(W_Q, -1, -2)
+    t30 = (2/(L*d_K*d_V*n_batch)) * t29
+    t31 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('ab,cdb,cde->aecd', t30, X, X, optimize=[(0, 1), (0, 1)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t35 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t40 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdb,cde->aecd', t39, X, M_1, optimize=[(0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
+    t44 = np.swapaxes(M_1, -1, -2)
+    t45 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
+    t46 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t45, X, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = oe.contract('abc,acd,de->beac', t45, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t51 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_V), copy=False)
+    t54 = np.einsum('abcb->abc', t53)
+    t55 = t44 @ M_1
+    t56 = np.ones((d_V,), dtype=X.dtype)
+    t57 = (2/(L*d_V*n_batch)) * t56
+    t58 = oe.contract('abc->bc', t55, optimize=[(0,)])
+    t54 += oe.contract('ab,c->acb', t58, t57, optimize=[(0, 1)])
     return H
 
 
@@ -3951,7 +4050,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4069,7 +4170,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('ab,cdeb,ef->afcd', t12, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4188,7 +4291,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t14, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4369,7 +4474,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = np.ones((d_V,), dtype=X.dtype)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
+    t15 = oe.contract('abb->b', t12, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4424,7 +4530,9 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4548,7 +4656,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += oe.contract('abc,d->bdc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bc', t13, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4614,65 +4723,67 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
-    t25 = t19 @ X
-    t26 = t3 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t24 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
-    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
+    t22 = oe.contract('ab,cdbe,ef->afcd', t21, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t26 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t28 = np.einsum('abcb->abc', t25)
+    t29 = t19 @ X
+    t30 = t3 @ t29
+    t31 = np.ones((d_K,), dtype=X.dtype)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t34 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cdeb->aecd', t33, M_2, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
-    t38 = np.einsum('abcb->abc', t37)
-    t39 = np.swapaxes(t26, -1, -2)
-    t38 += oe.contract('abc,d->bdc', t39, t28, optimize=[(0, 1)])
-    t40 = np.swapaxes(W_Q, -1, -2)
-    t41 = (1/(d_K*n_batch)) * t40
-    t42 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t43 = oe.contract('ab,cbd,cde->aecd', t41, t3, X, optimize=[(0, 1), (0, 1)])
-    t37 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    t46 = oe.contract('ab,cbd,cde,ef->afcd', t41, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t47 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_V), copy=False)
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t51 = oe.contract('ab,cdb,cde->aecd', t50, X, G, optimize=[(0, 1), (0, 1)])
-    t52 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_V, d_V, d_K), copy=False)
-    t55 = np.swapaxes(G, -1, -2)
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t57 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
-    t54[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
-    t61 = oe.contract('abc,acd,de->beac', t56, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t62 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63[...] = 0
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = np.swapaxes(W_Q, -1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t43 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cbd,cde->aecd', t42, t3, X, optimize=[(0, 1), (0, 1)])
+    t45 = np.einsum('abcb->abc', t40)
+    t46 = np.swapaxes(t30, -1, -2)
+    t47 = oe.contract('abc->bc', t46, optimize=[(0,)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 += oe.contract('ab,c->acb', t47, t32, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
+    t50 = oe.contract('ab,cbd,cde,ef->afcd', t42, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t55 = oe.contract('ab,cdb,cde->aecd', t54, X, G, optimize=[(0, 1), (0, 1)])
+    t56 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
+    t59 = np.swapaxes(G, -1, -2)
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    t61 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t60, X, optimize=[(0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_V, d_V, d_K), copy=False)
+    t65 = oe.contract('abc,acd,de->beac', t60, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t66 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
     return H
 
 
@@ -4914,7 +5025,9 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdbe,ef->afcd', t20, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4963,45 +5076,45 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t9 = np.where(t8, -math.inf, t7)
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A = t10 / t10.sum(-1, keepdims=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = np.ones((d_K,), dtype=X.dtype)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
-    t24 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t3
-    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdbe->aecd', t20, M_3, optimize=[(0, 1)])
+    t23 = np.einsum('abcb->abc', t0)
+    t24 = t18 @ X
+    t25 = t2 @ t24
+    t26 = np.ones((d_K,), dtype=X.dtype)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc->bc', t25, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5152,7 +5265,9 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('ab,cbd,cde,ea->acd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5200,9 +5315,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -5225,22 +5339,23 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdims=True)
     t19 = A * t18
-    t20 = np.swapaxes(t19, -1, -2)
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = np.ones((d_K,), dtype=X.dtype)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bdc', t22, t24, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_Q, -1, -2)
-    t26 = np.eye(L, dtype=X.dtype)
+    t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t25
-    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cbd,cde->aecd', t21, t2, X, optimize=[(0, 1), (0, 1)])
+    t24 = np.einsum('abcb->abc', t0)
+    t25 = np.swapaxes(t19, -1, -2)
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = np.ones((d_K,), dtype=X.dtype)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc->bc', t27, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
     return out
 
 
@@ -5651,104 +5766,135 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = A @ X
-    M_1 = t15
-    t16 = M_1 @ W_V
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = t12 @ t3
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
+    t15 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t17 = A @ X
+    M_1 = t17
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t12 @ t3
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t26 = np.einsum('abcb->abc', t25)
-    t27 = t22 @ X
-    t28 = t3 @ t27
-    t29 = np.ones((d_K,), dtype=X.dtype)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t26 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
-    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t25 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t36[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t37, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
-    t36 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.einsum('abcb->abc', t42)
-    t44 = np.swapaxes(t28, -1, -2)
-    t43 += oe.contract('abc,d->bdc', t44, t30, optimize=[(0, 1)])
-    t45 = np.swapaxes(W_Q, -1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = (2/(L*d_K*d_V*n_batch)) * t45
-    t42 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t49, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
-    t52 = oe.contract('ab,cdb,cde,ef->afcd', t49, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t51 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
-    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t59 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t60 = oe.contract('ab,cdb,cde->aecd', t58, X, M_1, optimize=[(0, 1), (0, 1)])
-    t57[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t62 = oe.contract('ab,cdb,cde->aecd', t61, X, G, optimize=[(0, 1), (0, 1)])
-    t63 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t57 += oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
-    t66 = np.swapaxes(M_1, -1, -2)
-    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
-    t65[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t67, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t68 = np.swapaxes(G, -1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
-    t65 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
-    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t75 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t73[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t73 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78[...] = 0
-    t79 = np.reshape(t78, (d_V, d_V, d_V, d_V), copy=False)
-    t80 = np.einsum('abcb->abc', t79)
-    t81 = t66 @ M_1
-    t82 = np.ones((d_V,), dtype=X.dtype)
-    t83 = (2/(L*d_V*n_batch)) * t82
-    t80 += oe.contract('abc,d->bdc', t81, t83, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t2
+    t26 = oe.contract('ab,cdbe,ef->afcd', t25, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t28 = np.reshape(t15, t15.shape[:2] + (-1,))
+    t29 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t30 = np.concatenate([t28, t29], axis=-1)
+    t31 = np.reshape(t16, t16.shape[:2] + (-1,))
+    t32 = np.reshape(t27, t27.shape[:2] + (-1,))
+    t33 = np.concatenate([t31, t32], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
+    t36 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = np.einsum('abcb->abc', t35)
+    t41 = t24 @ X
+    t42 = t3 @ t41
+    t43 = np.ones((d_K,), dtype=X.dtype)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t45 = oe.contract('abc->bc', t42, optimize=[(0,)])
+    t46 = np.reshape(t36, t36.shape[:2] + (-1,))
+    t47 = np.reshape(t38, t38.shape[:2] + (-1,))
+    t48 = np.concatenate([t46, t47], axis=-1)
+    t49 = np.reshape(t37, t37.shape[:2] + (-1,))
+    t50 = np.reshape(t39, t39.shape[:2] + (-1,))
+    t51 = np.concatenate([t49, t50], axis=-1)
+    t35[...] = oe.contract('abg,efg->aefb', t48, t51, optimize=[(0, 1)])
+    t40 += oe.contract('ab,c->acb', t45, t44, optimize=[(0, 1)])
+    t52 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t55 = oe.contract('ab,cdeb,ef->afcd', t54, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t56 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t58 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t59 = oe.contract('ab,cdeb->aecd', t57, M_2, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t53 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
+    t62 = np.swapaxes(W_Q, -1, -2)
+    t63 = (1/(d_K*n_batch)) * t62
+    t64 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cbd,cde->aecd', t63, t3, X, optimize=[(0, 1), (0, 1)])
+    t66 = (2/(L*d_K*d_V*n_batch)) * t62
+    t67 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('ab,cdb,cde->aecd', t66, X, X, optimize=[(0, 1), (0, 1)])
+    t69 = np.einsum('abcb->abc', t61)
+    t70 = np.swapaxes(t42, -1, -2)
+    t71 = oe.contract('abc->bc', t70, optimize=[(0,)])
+    t72 = np.reshape(t64, t64.shape[:2] + (-1,))
+    t73 = np.reshape(t67, t67.shape[:2] + (-1,))
+    t74 = np.concatenate([t72, t73], axis=-1)
+    t75 = np.reshape(t65, t65.shape[:2] + (-1,))
+    t76 = np.reshape(t68, t68.shape[:2] + (-1,))
+    t77 = np.concatenate([t75, t76], axis=-1)
+    t61[...] = oe.contract('abg,efg->aefb', t74, t77, optimize=[(0, 1)])
+    t69 += oe.contract('ab,c->acb', t71, t44, optimize=[(0, 1)])
+    t78 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t79 = np.reshape(t78, (d_V, d_K, d_V, d_K), copy=False)
+    t80 = oe.contract('ab,cdb,cde,ef->afcd', t66, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('ab,cbd,cde,ef->afcd', t63, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t83 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t84 = np.reshape(t80, t80.shape[:2] + (-1,))
+    t85 = np.reshape(t82, t82.shape[:2] + (-1,))
+    t86 = np.concatenate([t84, t85], axis=-1)
+    t87 = np.reshape(t81, t81.shape[:2] + (-1,))
+    t88 = np.reshape(t83, t83.shape[:2] + (-1,))
+    t89 = np.concatenate([t87, t88], axis=-1)
+    t79[...] = oe.contract('abg,efg->eafb', t86, t89, optimize=[(0, 1)])
+    t90 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t91 = np.reshape(t90, (d_V, d_K, d_V, d_V), copy=False)
+    t92 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t62
+    t93 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t94 = oe.contract('ab,cdb,cde->aecd', t92, X, M_1, optimize=[(0, 1), (0, 1)])
+    t95 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t96 = oe.contract('ab,cdb,cde->aecd', t95, X, G, optimize=[(0, 1), (0, 1)])
+    t97 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t91[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t91 += oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t99 = np.reshape(t98, (d_V, d_V, d_V, d_K), copy=False)
+    t100 = np.swapaxes(M_1, -1, -2)
+    t101 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t100
+    t102 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t103 = oe.contract('abc,acd->bdac', t101, X, optimize=[(0, 1)])
+    t104 = np.swapaxes(G, -1, -2)
+    t105 = (1/(math.sqrt(d_K)*n_batch)) * t104
+    t106 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t107 = oe.contract('abc,acd->bdac', t105, X, optimize=[(0, 1)])
+    t99[...] = oe.contract('abcd,efcd->eafb', t102, t103, optimize=[(0, 1)])
+    t99 += oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
+    t110 = oe.contract('abc,acd,de->beac', t101, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t111 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t112 = oe.contract('abc,acd,de->beac', t105, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t113 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t109[...] = oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
+    t109 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t114[...] = 0
+    t115 = np.reshape(t114, (d_V, d_V, d_V, d_V), copy=False)
+    t116 = np.einsum('abcb->abc', t115)
+    t117 = t100 @ M_1
+    t118 = np.ones((d_V,), dtype=X.dtype)
+    t119 = (2/(L*d_V*n_batch)) * t118
+    t120 = oe.contract('abc->bc', t117, optimize=[(0,)])
+    t116 += oe.contract('ab,c->acb', t120, t119, optimize=[(0, 1)])
     return H
 
 
@@ -5917,7 +6063,6 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
     t14 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
     t15 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     t16 = A @ X
     M_1 = t16
     t17 = M_1 @ W_V
@@ -5936,6 +6081,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(d_K*n_batch)) * t1
     t25 = oe.contract('ab,cdbe,ea->acd', t24, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t26 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
@@ -6007,24 +6153,33 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = A @ X
-    M_1 = t14
-    t15 = M_1 @ W_V
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = t11 @ t2
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    t14 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t11 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cdbe,ef->afcd', t24, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t27 = np.reshape(t14, t14.shape[:2] + (-1,))
+    t28 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t29 = np.concatenate([t27, t28], axis=-1)
+    t30 = np.reshape(t15, t15.shape[:2] + (-1,))
+    t31 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t32 = np.concatenate([t30, t31], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t29, t32, optimize=[(0, 1)])
     return out
 
 
@@ -6078,54 +6233,59 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t9 = np.where(t8, -math.inf, t7)
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A = t10 / t10.sum(-1, keepdims=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = np.ones((d_K,), dtype=X.dtype)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
-    t24 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t3
-    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdbe->aecd', t20, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t28 = W_V @ t15
-    t29 = (2/(L*d_K*d_V*n_batch)) * t3
-    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t23 = W_V @ t14
+    t24 = (2/(L*d_K*d_V*n_batch)) * t1
+    t25 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdeb,ef,cdfg->agcd', t24, M_2, t23, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = np.einsum('abcb->abc', t0)
+    t28 = t18 @ X
+    t29 = t2 @ t28
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = oe.contract('abc->bc', t29, optimize=[(0,)])
+    t33 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t34 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t35 = np.concatenate([t33, t34], axis=-1)
+    t36 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t37 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t35, t38, optimize=[(0, 1)])
+    t27 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
     return out
 
 
@@ -6200,16 +6360,18 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t13 = oe.contract('ab,cdeb,ef->afcd', t12, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6275,7 +6437,6 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
     t15 = oe.contract('ab,cdb,cde,ea->acd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = oe.contract('abcd,ce,abed->dab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     t17 = A @ X
     M_1 = t17
     t18 = M_1 @ W_V
@@ -6292,7 +6453,10 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t25, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = oe.contract('ab,cbd,cde,ea->acd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -6345,9 +6509,8 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -6370,29 +6533,37 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdims=True)
     t19 = A * t18
-    t20 = np.swapaxes(t19, -1, -2)
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = np.ones((d_K,), dtype=X.dtype)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bdc', t22, t24, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_Q, -1, -2)
-    t26 = np.eye(L, dtype=X.dtype)
+    t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t25
-    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cbd,cde->aecd', t21, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t30 = W_V @ t15
-    t31 = (2/(L*d_K*d_V*n_batch)) * t25
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t31, M_2, X, t30, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = W_V @ t15
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t26 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t24, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('ab,cdb,cde->aecd', t25, X, X, optimize=[(0, 1), (0, 1)])
+    t28 = np.einsum('abcb->abc', t0)
+    t29 = np.swapaxes(t19, -1, -2)
+    t30 = t29 @ X
+    t31 = t2 @ t30
+    t32 = np.ones((d_K,), dtype=X.dtype)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t35 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t36 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t37 = np.concatenate([t35, t36], axis=-1)
+    t38 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t39 = np.reshape(t27, t27.shape[:2] + (-1,))
+    t40 = np.concatenate([t38, t39], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t37, t40, optimize=[(0, 1)])
+    t28 += oe.contract('ab,c->acb', t34, t33, optimize=[(0, 1)])
     return out
 
 
@@ -6472,7 +6643,6 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
     t15 = oe.contract('ab,cdb,cde,ef->afcd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     t17 = A @ X
     M_1 = t17
     t18 = M_1 @ W_V
@@ -6491,7 +6661,13 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = (1/(d_K*n_batch)) * t1
     t26 = oe.contract('ab,cbd,cde,ef->afcd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t27 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = np.reshape(t15, t15.shape[:2] + (-1,))
+    t29 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t30 = np.concatenate([t28, t29], axis=-1)
+    t31 = np.reshape(t16, t16.shape[:2] + (-1,))
+    t32 = np.reshape(t27, t27.shape[:2] + (-1,))
+    t33 = np.concatenate([t31, t32], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
     return out
 
 
@@ -6568,7 +6744,6 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
     t15 = oe.contract('ab,cdb,cde->aecd', t13, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t16 = M_1 @ W_V
     F = t16
     t17 = F - Y
@@ -6577,6 +6752,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
     t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -6639,7 +6815,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = np.ones((d_V,), dtype=X.dtype)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
+    t15 = oe.contract('abb->b', t12, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -6694,17 +6871,19 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = M_1 @ W_V
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6774,7 +6953,6 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
     t16 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -6784,6 +6962,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
     t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
@@ -6850,7 +7029,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += oe.contract('abc,d->bdc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bc', t13, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -7526,46 +7706,56 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t23 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t21[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t26, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.swapaxes(W_Q, -1, -2)
-    t30 = (1/(L*d_K*n_batch)) * t29
-    t28[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t19, M_2, W_V, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t28, M_2, W_V, t11, dA17, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
-    t37 = (1/(L*math.sqrt(d_K)*n_batch)) * t29
-    t36[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t37, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
-    t40 = np.swapaxes(M_1, -1, -2)
-    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t40
-    t42 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
-    t46 = oe.contract('abc,acd,de->beac', t41, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t47 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t45[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_V), copy=False)
-    t50 = (1/(L*n_batch)) * t40
-    t49[...] = oe.contract('abc,acd,acde,acf->bdfe', t50, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t33 = np.swapaxes(W_Q, -1, -2)
+    t34 = (1/(L*d_K*n_batch)) * t33
+    t35 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA17, t11, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t36 = oe.contract('ab,cdb,cde->aecd', t34, X, X, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
+    t39 = oe.contract('ab,cdb,cde,ef->afcd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
+    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t33
+    t44 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdb,cde->aecd', t43, X, M_1, optimize=[(0, 1), (0, 1)])
+    t42[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
+    t48 = np.swapaxes(M_1, -1, -2)
+    t49 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
+    t50 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t51 = oe.contract('abc,acd->bdac', t49, X, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = oe.contract('abc,acd,de->beac', t49, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t55 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = np.reshape(t56, (d_V, d_V, d_V, d_V), copy=False)
+    t58 = (1/(L*n_batch)) * t48
+    t59 = oe.contract('abc,abcd->cdab', t11, dA17, optimize=[(0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, M_1, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
     return H
 
 
@@ -7781,7 +7971,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7926,7 +8118,9 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t17, M_2, X, W_V, t10, dA16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t17, M_2, W_V, t10, dA16, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8072,7 +8266,9 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA17, t11, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8221,7 +8417,9 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t18, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t18, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8502,7 +8700,9 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t16 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t11, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abcd->cdab', t11, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -8576,65 +8776,67 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = t22 @ X
-    t29 = t3 @ t28
-    t30 = np.ones((d_K,), dtype=X.dtype)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t27 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
+    t25 = oe.contract('ab,cdbe,ef->afcd', t24, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t31 = np.einsum('abcb->abc', t28)
+    t32 = t22 @ X
+    t33 = t3 @ t32
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc->bc', t33, optimize=[(0,)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
-    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
-    t41 = np.einsum('abcb->abc', t40)
-    t42 = np.swapaxes(t29, -1, -2)
-    t41 += oe.contract('abc,d->bdc', t42, t31, optimize=[(0, 1)])
-    t43 = np.swapaxes(W_Q, -1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
-    t49 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t50 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_V), copy=False)
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t54 = oe.contract('ab,cdb,cde->aecd', t53, X, G, optimize=[(0, 1), (0, 1)])
-    t55 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_V, d_V, d_K), copy=False)
-    t58 = np.swapaxes(G, -1, -2)
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t60 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t61 = oe.contract('abc,acd->bdac', t59, X, optimize=[(0, 1)])
-    t57[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
-    t64 = oe.contract('abc,acd,de->beac', t59, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t65 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66[...] = 0
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdeb->aecd', t39, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t44 = np.swapaxes(W_Q, -1, -2)
+    t45 = (1/(d_K*n_batch)) * t44
+    t46 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t47 = oe.contract('ab,cbd,cde->aecd', t45, t3, X, optimize=[(0, 1), (0, 1)])
+    t48 = np.einsum('abcb->abc', t43)
+    t49 = np.swapaxes(t33, -1, -2)
+    t50 = oe.contract('abc->bc', t49, optimize=[(0,)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 += oe.contract('ab,c->acb', t50, t35, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    t53 = oe.contract('ab,cbd,cde,ef->afcd', t45, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t54 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t58 = oe.contract('ab,cdb,cde->aecd', t57, X, G, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t56[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
+    t62 = np.swapaxes(G, -1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t64 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd->bdac', t63, X, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
+    t68 = oe.contract('abc,acd,de->beac', t63, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t69 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70[...] = 0
     return H
 
 
@@ -8891,7 +9093,9 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ef->afcd', t23, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8943,48 +9147,48 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
-    A = t8 / t8.sum(-1, keepdims=True)
-    t9 = Y.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t10 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = np.ones((d_K,), dtype=X.dtype)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
-    t27 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t8 = Y.sum(-1, keepdims=True)
+    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = np.exp(F - F.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = t9 * A13
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t26 = np.einsum('abcb->abc', t0)
+    t27 = t21 @ X
+    t28 = t2 @ t27
+    t29 = np.ones((d_K,), dtype=X.dtype)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
     return out
 
 
@@ -9147,7 +9351,9 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ea->acd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9198,9 +9404,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -9226,22 +9431,23 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
-    t23 = np.swapaxes(t22, -1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
-    t28 = np.swapaxes(W_Q, -1, -2)
-    t29 = np.eye(L, dtype=X.dtype)
+    t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t28
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cbd,cde->aecd', t24, t2, X, optimize=[(0, 1), (0, 1)])
+    t27 = np.einsum('abcb->abc', t0)
+    t28 = np.swapaxes(t22, -1, -2)
+    t29 = t28 @ X
+    t30 = t2 @ t29
+    t31 = np.ones((d_K,), dtype=X.dtype)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
     return out
 
 
@@ -9686,100 +9892,132 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t19, M_2, W_V, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t13
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t18 @ t3
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdims=True)
-    t28 = A * t27
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t18 @ t3
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdims=True)
+    t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t30, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30[...] = 0
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
-    t32 = np.einsum('abcb->abc', t31)
-    t33 = t28 @ X
-    t34 = t3 @ t33
-    t35 = np.ones((d_K,), dtype=X.dtype)
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t32 += oe.contract('abc,d->bdc', t34, t36, optimize=[(0, 1)])
-    t37 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t38 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
-    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t40 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t31 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
-    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t43, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cdeb->aecd', t44, M_2, optimize=[(0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47[...] = 0
-    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
-    t49 = np.einsum('abcb->abc', t48)
-    t50 = np.swapaxes(t34, -1, -2)
-    t49 += oe.contract('abc,d->bdc', t50, t36, optimize=[(0, 1)])
-    t51 = np.swapaxes(W_Q, -1, -2)
-    t52 = (1/(d_K*n_batch)) * t51
-    t53 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cbd,cde->aecd', t52, t3, X, optimize=[(0, 1), (0, 1)])
-    t48 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
-    t55 = (1/(L*d_K*n_batch)) * t51
-    t48 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t55, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
-    t58 = oe.contract('ab,cdb,cde,ef->afcd', t55, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t59 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
-    t60 = oe.contract('ab,cbd,cde,ef->afcd', t52, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
-    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t51
-    t63[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t64, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t51
-    t66 = oe.contract('ab,cdb,cde->aecd', t65, X, G, optimize=[(0, 1), (0, 1)])
-    t67 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t63 += oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
-    t70 = np.swapaxes(G, -1, -2)
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t72 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
-    t69[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = np.swapaxes(M_1, -1, -2)
-    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t74
-    t76 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t77 = oe.contract('abc,acd->bdac', t75, X, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t79 = np.reshape(t78, (d_V, d_V, d_V, d_K), copy=False)
-    t80 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t81 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t79[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
-    t82 = oe.contract('abc,acd,de->beac', t75, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t83 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t79 += oe.contract('abcd,efcd->aefb', t82, t83, optimize=[(0, 1)])
-    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85 = np.reshape(t84, (d_V, d_V, d_V, d_V), copy=False)
-    t86 = (1/(L*n_batch)) * t74
-    t85[...] = oe.contract('abc,acd,acde,acf->bdfe', t86, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t2
+    t32 = oe.contract('ab,cdbe,ef->afcd', t31, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t34 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t35 = np.reshape(t32, t32.shape[:2] + (-1,))
+    t36 = np.concatenate([t34, t35], axis=-1)
+    t37 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t38 = np.reshape(t33, t33.shape[:2] + (-1,))
+    t39 = np.concatenate([t37, t38], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
+    t42 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t43 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t44 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t45 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t46 = np.einsum('abcb->abc', t41)
+    t47 = t30 @ X
+    t48 = t3 @ t47
+    t49 = np.ones((d_K,), dtype=X.dtype)
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t51 = oe.contract('abc->bc', t48, optimize=[(0,)])
+    t52 = np.reshape(t42, t42.shape[:2] + (-1,))
+    t53 = np.reshape(t44, t44.shape[:2] + (-1,))
+    t54 = np.concatenate([t52, t53], axis=-1)
+    t55 = np.reshape(t43, t43.shape[:2] + (-1,))
+    t56 = np.reshape(t45, t45.shape[:2] + (-1,))
+    t57 = np.concatenate([t55, t56], axis=-1)
+    t41[...] = oe.contract('abg,efg->aefb', t54, t57, optimize=[(0, 1)])
+    t46 += oe.contract('ab,c->acb', t51, t50, optimize=[(0, 1)])
+    t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
+    t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t61 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t60, M_2, W_V, t11, dA17, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t62 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t64 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdeb->aecd', t63, M_2, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t59 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_K, d_V, d_K), copy=False)
+    t68 = np.swapaxes(W_Q, -1, -2)
+    t69 = (1/(d_K*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('ab,cbd,cde->aecd', t69, t3, X, optimize=[(0, 1), (0, 1)])
+    t72 = (1/(L*d_K*n_batch)) * t68
+    t73 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA17, t11, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t74 = oe.contract('ab,cdb,cde->aecd', t72, X, X, optimize=[(0, 1), (0, 1)])
+    t75 = np.einsum('abcb->abc', t67)
+    t76 = np.swapaxes(t48, -1, -2)
+    t77 = oe.contract('abc->bc', t76, optimize=[(0,)])
+    t78 = np.reshape(t70, t70.shape[:2] + (-1,))
+    t79 = np.reshape(t73, t73.shape[:2] + (-1,))
+    t80 = np.concatenate([t78, t79], axis=-1)
+    t81 = np.reshape(t71, t71.shape[:2] + (-1,))
+    t82 = np.reshape(t74, t74.shape[:2] + (-1,))
+    t83 = np.concatenate([t81, t82], axis=-1)
+    t67[...] = oe.contract('abg,efg->aefb', t80, t83, optimize=[(0, 1)])
+    t75 += oe.contract('ab,c->acb', t77, t50, optimize=[(0, 1)])
+    t84 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t85 = np.reshape(t84, (d_V, d_K, d_V, d_K), copy=False)
+    t86 = oe.contract('ab,cdb,cde,ef->afcd', t72, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t87 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t88 = oe.contract('ab,cbd,cde,ef->afcd', t69, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t89 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t90 = np.reshape(t86, t86.shape[:2] + (-1,))
+    t91 = np.reshape(t88, t88.shape[:2] + (-1,))
+    t92 = np.concatenate([t90, t91], axis=-1)
+    t93 = np.reshape(t87, t87.shape[:2] + (-1,))
+    t94 = np.reshape(t89, t89.shape[:2] + (-1,))
+    t95 = np.concatenate([t93, t94], axis=-1)
+    t85[...] = oe.contract('abg,efg->eafb', t92, t95, optimize=[(0, 1)])
+    t96 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t97 = np.reshape(t96, (d_V, d_K, d_V, d_V), copy=False)
+    t98 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
+    t99 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t100 = oe.contract('ab,cdb,cde->aecd', t98, X, M_1, optimize=[(0, 1), (0, 1)])
+    t101 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t102 = oe.contract('ab,cdb,cde->aecd', t101, X, G, optimize=[(0, 1), (0, 1)])
+    t103 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t97[...] = oe.contract('abcd,efcd->aefb', t99, t100, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->eafb', t102, t103, optimize=[(0, 1)])
+    t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t105 = np.reshape(t104, (d_V, d_V, d_V, d_K), copy=False)
+    t106 = np.swapaxes(G, -1, -2)
+    t107 = (1/(math.sqrt(d_K)*n_batch)) * t106
+    t108 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t109 = oe.contract('abc,acd->bdac', t107, X, optimize=[(0, 1)])
+    t110 = np.swapaxes(M_1, -1, -2)
+    t111 = (1/(L*math.sqrt(d_K)*n_batch)) * t110
+    t112 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t113 = oe.contract('abc,acd->bdac', t111, X, optimize=[(0, 1)])
+    t105[...] = oe.contract('abcd,efcd->aefb', t108, t109, optimize=[(0, 1)])
+    t105 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t115 = np.reshape(t114, (d_V, d_V, d_V, d_K), copy=False)
+    t116 = oe.contract('abc,acd,de->beac', t107, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t117 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t118 = oe.contract('abc,acd,de->beac', t111, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t115[...] = oe.contract('abcd,efcd->eafb', t116, t117, optimize=[(0, 1)])
+    t115 += oe.contract('abcd,efcd->aefb', t118, t119, optimize=[(0, 1)])
+    t120 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t121 = np.reshape(t120, (d_V, d_V, d_V, d_V), copy=False)
+    t122 = (1/(L*n_batch)) * t110
+    t123 = oe.contract('abc,abcd->cdab', t11, dA17, optimize=[(0, 1)])
+    t124 = oe.contract('abc,acd->bdac', t122, M_1, optimize=[(0, 1)])
+    t121[...] = oe.contract('abcd,efcd->eafb', t123, t124, optimize=[(0, 1)])
     return H
 
 
@@ -9968,7 +10206,6 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*d_K*n_batch)) * t1
     t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
     t20 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     F = t12
     t21 = np.exp(F - F.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
@@ -9987,6 +10224,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(d_K*n_batch)) * t1
     t31 = oe.contract('ab,cdbe,ea->acd', t30, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t32 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -10072,24 +10310,33 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t12
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t10 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = t17 @ t2
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t10 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t17 @ t2
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdims=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdbe,ef->afcd', t30, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t33 = np.reshape(t19, t19.shape[:2] + (-1,))
+    t34 = np.reshape(t31, t31.shape[:2] + (-1,))
+    t35 = np.concatenate([t33, t34], axis=-1)
+    t36 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t37 = np.reshape(t32, t32.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
     return out
 
 
@@ -10150,61 +10397,66 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
-    A = t8 / t8.sum(-1, keepdims=True)
-    t9 = Y.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t10 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = np.ones((d_K,), dtype=X.dtype)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
-    t27 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t8 = Y.sum(-1, keepdims=True)
+    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = np.exp(F - F.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = t9 * A13
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = np.eye(d_V, dtype=X.dtype)
+    t26 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = oe.contract('abc,cd->abcd', A32, t33, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A32, A32, optimize=[(0, 1)])
-    t35 = (1/(L*d_K*n_batch)) * t3
-    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t35, M_2, W_V, t10, dA34, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t30 = (1/(L*d_K*n_batch)) * t1
+    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t30, M_2, W_V, t9, dA29, t17, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = np.einsum('abcb->abc', t0)
+    t34 = t21 @ X
+    t35 = t2 @ t34
+    t36 = np.ones((d_K,), dtype=X.dtype)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t38 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t39 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t40 = np.reshape(t31, t31.shape[:2] + (-1,))
+    t41 = np.concatenate([t39, t40], axis=-1)
+    t42 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t43 = np.reshape(t32, t32.shape[:2] + (-1,))
+    t44 = np.concatenate([t42, t43], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t41, t44, optimize=[(0, 1)])
+    t33 += oe.contract('ab,c->acb', t38, t37, optimize=[(0, 1)])
     return out
 
 
@@ -10292,18 +10544,20 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t17, M_2, X, W_V, t10, dA16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t17, M_2, W_V, t10, dA16, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
     F = t12
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t10 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t25 = oe.contract('ab,cdeb->aecd', t23, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t10 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t26 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cdeb->aecd', t25, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -10384,7 +10638,6 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde,ea->acd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     F = t13
     t22 = np.exp(F - F.max(-1, keepdims=True))
     A23 = t22 / t22.sum(-1, keepdims=True)
@@ -10401,7 +10654,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t31 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t31, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t32 = oe.contract('ab,cbd,cde,ea->acd', t31, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -10461,9 +10717,8 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -10489,33 +10744,41 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
-    t23 = np.swapaxes(t22, -1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
-    t28 = np.swapaxes(W_Q, -1, -2)
-    t29 = np.eye(L, dtype=X.dtype)
+    t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t28
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cbd,cde->aecd', t24, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = np.eye(d_V, dtype=X.dtype)
+    t27 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
-    t37 = (1/(L*d_K*n_batch)) * t28
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t37, M_2, X, W_V, t10, dA36, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA30, t10, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t33 = oe.contract('ab,cdb,cde->aecd', t31, X, X, optimize=[(0, 1), (0, 1)])
+    t34 = np.einsum('abcb->abc', t0)
+    t35 = np.swapaxes(t22, -1, -2)
+    t36 = t35 @ X
+    t37 = t2 @ t36
+    t38 = np.ones((d_K,), dtype=X.dtype)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc->bc', t37, optimize=[(0,)])
+    t41 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t42 = np.reshape(t32, t32.shape[:2] + (-1,))
+    t43 = np.concatenate([t41, t42], axis=-1)
+    t44 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t45 = np.reshape(t33, t33.shape[:2] + (-1,))
+    t46 = np.concatenate([t44, t45], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t43, t46, optimize=[(0, 1)])
+    t34 += oe.contract('ab,c->acb', t40, t39, optimize=[(0, 1)])
     return out
 
 
@@ -10609,7 +10872,6 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde,ef->afcd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     F = t13
     t22 = np.exp(F - F.max(-1, keepdims=True))
     A23 = t22 / t22.sum(-1, keepdims=True)
@@ -10628,7 +10890,13 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(d_K*n_batch)) * t1
     t32 = oe.contract('ab,cbd,cde,ef->afcd', t31, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t35 = np.reshape(t32, t32.shape[:2] + (-1,))
+    t36 = np.concatenate([t34, t35], axis=-1)
+    t37 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t38 = np.reshape(t33, t33.shape[:2] + (-1,))
+    t39 = np.concatenate([t37, t38], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
     return out
 
 
@@ -10716,18 +10984,20 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t18, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t18, X, M_1, optimize=[(0, 1), (0, 1)])
     F = t13
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t11 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t25 = oe.contract('ab,cdb,cde->aecd', t24, X, G, optimize=[(0, 1), (0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t11 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('ab,cdb,cde->aecd', t26, X, G, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -10872,7 +11142,6 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
     t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     t22 = np.swapaxes(M_1, -1, -2)
     t23 = np.exp(t11 - t11.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -10883,6 +11152,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
     t29 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA26, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -10968,7 +11238,6 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
     t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = np.swapaxes(M_1, -1, -2)
     t23 = np.exp(t11 - t11.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -10979,6 +11248,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
     t29 = oe.contract('abc,acd,de->beac', t28, X, W_Q, optimize=[(1, 2), (0, 1)])
     t30 = oe.contract('abc,abcd,de,abef->cfab', t2, dA26, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -11055,7 +11325,9 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t16 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t11, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abcd->cdab', t11, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11647,46 +11919,56 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t28, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.swapaxes(W_Q, -1, -2)
-    t32 = (1/(L*d_K*n_batch)) * t31
-    t30[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t32, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t21, M_2, W_V, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t26 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t30, M_2, W_V, t13, dA19, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t32 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t35 = oe.contract('ab,cdb,cde,ef->afcd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
-    t39 = (1/(L*math.sqrt(d_K)*n_batch)) * t31
-    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t39, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t42 = np.swapaxes(M_1, -1, -2)
-    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t42
-    t44 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
-    t41[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
-    t48 = oe.contract('abc,acd,de->beac', t43, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t49 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
-    t52 = (1/(L*n_batch)) * t42
-    t51[...] = oe.contract('abc,acd,acde,acf->bdfe', t52, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t35 = np.swapaxes(W_Q, -1, -2)
+    t36 = (1/(L*d_K*n_batch)) * t35
+    t37 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA19, t13, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,cdb,cde->aecd', t36, X, X, optimize=[(0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = oe.contract('ab,cdb,cde,ef->afcd', t36, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
+    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t35
+    t46 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('ab,cdb,cde->aecd', t45, X, M_1, optimize=[(0, 1), (0, 1)])
+    t44[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(M_1, -1, -2)
+    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t50
+    t52 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t53 = oe.contract('abc,acd->bdac', t51, X, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
+    t56 = oe.contract('abc,acd,de->beac', t51, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t57 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_V), copy=False)
+    t60 = (1/(L*n_batch)) * t50
+    t61 = oe.contract('abc,abcd->cdab', t13, dA19, optimize=[(0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t60, M_1, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
     return H
 
 
@@ -11912,7 +12194,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -12065,7 +12349,9 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, W_V, t12, dA18, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t19, M_2, W_V, t12, dA18, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -12219,7 +12505,9 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA19, t13, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdb,cde->aecd', t21, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12376,7 +12664,9 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -12673,7 +12963,9 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t18 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t18, t13, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abcd->cdab', t13, dA, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -12751,65 +13043,67 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = t24 @ X
-    t31 = t3 @ t30
-    t32 = np.ones((d_K,), dtype=X.dtype)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t29 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
-    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
+    t27 = oe.contract('ab,cdbe,ef->afcd', t26, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t33 = np.einsum('abcb->abc', t30)
+    t34 = t24 @ X
+    t35 = t3 @ t34
+    t36 = np.ones((d_K,), dtype=X.dtype)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t38 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 += oe.contract('ab,c->acb', t38, t37, optimize=[(0, 1)])
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
-    t37[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.einsum('abcb->abc', t42)
-    t44 = np.swapaxes(t31, -1, -2)
-    t43 += oe.contract('abc,d->bdc', t44, t33, optimize=[(0, 1)])
-    t45 = np.swapaxes(W_Q, -1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t51 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t52 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t50[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t56 = oe.contract('ab,cdb,cde->aecd', t55, X, G, optimize=[(0, 1), (0, 1)])
-    t57 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t54[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
-    t60 = np.swapaxes(G, -1, -2)
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t62 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
-    t59[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
-    t66 = oe.contract('abc,acd,de->beac', t61, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t67 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68[...] = 0
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t42 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdeb->aecd', t41, M_2, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t46 = np.swapaxes(W_Q, -1, -2)
+    t47 = (1/(d_K*n_batch)) * t46
+    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
+    t50 = np.einsum('abcb->abc', t45)
+    t51 = np.swapaxes(t35, -1, -2)
+    t52 = oe.contract('abc->bc', t51, optimize=[(0,)])
+    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 += oe.contract('ab,c->acb', t52, t37, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
+    t55 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_V), copy=False)
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t46
+    t60 = oe.contract('ab,cdb,cde->aecd', t59, X, G, optimize=[(0, 1), (0, 1)])
+    t61 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
+    t64 = np.swapaxes(G, -1, -2)
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t64
+    t66 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t65, X, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
+    t70 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t71 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72[...] = 0
     return H
 
 
@@ -13076,7 +13370,9 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = oe.contract('ab,cdbe,ef->afcd', t25, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -13130,50 +13426,50 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t9 = np.where(t8, -math.inf, t7)
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A = t10 / t10.sum(-1, keepdims=True)
-    t11 = Y.sum(-1, keepdims=True)
-    t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t12 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t1 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
-    t29 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    t10 = Y.sum(-1, keepdims=True)
+    t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t11 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = np.swapaxes(W_V, -1, -2)
+    t20 = t19 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t3
-    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t28 = np.einsum('abcb->abc', t0)
+    t29 = t23 @ X
+    t30 = t2 @ t29
+    t31 = np.ones((d_K,), dtype=X.dtype)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
     return out
 
 
@@ -13344,7 +13640,9 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = oe.contract('ab,cbd,cde,ea->acd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -13397,9 +13695,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -13427,22 +13724,23 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
-    t25 = np.swapaxes(t24, -1, -2)
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = np.ones((d_K,), dtype=X.dtype)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
-    t30 = np.swapaxes(W_Q, -1, -2)
-    t31 = np.eye(L, dtype=X.dtype)
+    t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t30
-    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
+    t29 = np.einsum('abcb->abc', t0)
+    t30 = np.swapaxes(t24, -1, -2)
+    t31 = t30 @ X
+    t32 = t2 @ t31
+    t33 = np.ones((d_K,), dtype=X.dtype)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
     return out
 
 
@@ -13907,100 +14205,132 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t21, M_2, W_V, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t15
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t13 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = t20 @ t3
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdims=True)
-    t30 = A * t29
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t13 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t20 @ t3
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdims=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t32, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t31, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32[...] = 0
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.einsum('abcb->abc', t33)
-    t35 = t30 @ X
-    t36 = t3 @ t35
-    t37 = np.ones((d_K,), dtype=X.dtype)
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t34 += oe.contract('abc,d->bdc', t36, t38, optimize=[(0, 1)])
-    t39 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t40 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t42 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
-    t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
-    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t44[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t45, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t47 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cdeb->aecd', t46, M_2, optimize=[(0, 1)])
-    t44 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t49[...] = 0
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t51 = np.einsum('abcb->abc', t50)
-    t52 = np.swapaxes(t36, -1, -2)
-    t51 += oe.contract('abc,d->bdc', t52, t38, optimize=[(0, 1)])
-    t53 = np.swapaxes(W_Q, -1, -2)
-    t54 = (1/(d_K*n_batch)) * t53
-    t55 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t56 = oe.contract('ab,cbd,cde->aecd', t54, t3, X, optimize=[(0, 1), (0, 1)])
-    t50 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = (1/(L*d_K*n_batch)) * t53
-    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t57, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
-    t60 = oe.contract('ab,cdb,cde,ef->afcd', t57, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t59[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = oe.contract('ab,cbd,cde,ef->afcd', t54, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t59 += oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = np.reshape(t64, (d_V, d_K, d_V, d_V), copy=False)
-    t66 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t65[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t66, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t68 = oe.contract('ab,cdb,cde->aecd', t67, X, G, optimize=[(0, 1), (0, 1)])
-    t69 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t65 += oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
-    t72 = np.swapaxes(G, -1, -2)
-    t73 = (1/(math.sqrt(d_K)*n_batch)) * t72
-    t74 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t75 = oe.contract('abc,acd->bdac', t73, X, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = np.swapaxes(M_1, -1, -2)
-    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t76
-    t78 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t79 = oe.contract('abc,acd->bdac', t77, X, optimize=[(0, 1)])
-    t71 += oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
-    t80 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t81 = np.reshape(t80, (d_V, d_V, d_V, d_K), copy=False)
-    t82 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t83 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t81[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
-    t84 = oe.contract('abc,acd,de->beac', t77, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t85 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t81 += oe.contract('abcd,efcd->aefb', t84, t85, optimize=[(0, 1)])
-    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t87 = np.reshape(t86, (d_V, d_V, d_V, d_V), copy=False)
-    t88 = (1/(L*n_batch)) * t76
-    t87[...] = oe.contract('abc,acd,acde,acf->bdfe', t88, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t2
+    t34 = oe.contract('ab,cdbe,ef->afcd', t33, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t35 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t36 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t37 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t39 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t40 = np.reshape(t35, t35.shape[:2] + (-1,))
+    t41 = np.concatenate([t39, t40], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
+    t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t44 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t45 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
+    t46 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t47 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = np.einsum('abcb->abc', t43)
+    t49 = t32 @ X
+    t50 = t3 @ t49
+    t51 = np.ones((d_K,), dtype=X.dtype)
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t51
+    t53 = oe.contract('abc->bc', t50, optimize=[(0,)])
+    t54 = np.reshape(t44, t44.shape[:2] + (-1,))
+    t55 = np.reshape(t46, t46.shape[:2] + (-1,))
+    t56 = np.concatenate([t54, t55], axis=-1)
+    t57 = np.reshape(t45, t45.shape[:2] + (-1,))
+    t58 = np.reshape(t47, t47.shape[:2] + (-1,))
+    t59 = np.concatenate([t57, t58], axis=-1)
+    t43[...] = oe.contract('abg,efg->aefb', t56, t59, optimize=[(0, 1)])
+    t48 += oe.contract('ab,c->acb', t53, t52, optimize=[(0, 1)])
+    t60 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
+    t62 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t63 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t62, M_2, W_V, t13, dA19, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t66 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t67 = oe.contract('ab,cdeb->aecd', t65, M_2, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t61 += oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
+    t70 = np.swapaxes(W_Q, -1, -2)
+    t71 = (1/(d_K*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('ab,cbd,cde->aecd', t71, t3, X, optimize=[(0, 1), (0, 1)])
+    t74 = (1/(L*d_K*n_batch)) * t70
+    t75 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA19, t13, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t76 = oe.contract('ab,cdb,cde->aecd', t74, X, X, optimize=[(0, 1), (0, 1)])
+    t77 = np.einsum('abcb->abc', t69)
+    t78 = np.swapaxes(t50, -1, -2)
+    t79 = oe.contract('abc->bc', t78, optimize=[(0,)])
+    t80 = np.reshape(t72, t72.shape[:2] + (-1,))
+    t81 = np.reshape(t75, t75.shape[:2] + (-1,))
+    t82 = np.concatenate([t80, t81], axis=-1)
+    t83 = np.reshape(t73, t73.shape[:2] + (-1,))
+    t84 = np.reshape(t76, t76.shape[:2] + (-1,))
+    t85 = np.concatenate([t83, t84], axis=-1)
+    t69[...] = oe.contract('abg,efg->aefb', t82, t85, optimize=[(0, 1)])
+    t77 += oe.contract('ab,c->acb', t79, t52, optimize=[(0, 1)])
+    t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t87 = np.reshape(t86, (d_V, d_K, d_V, d_K), copy=False)
+    t88 = oe.contract('ab,cdb,cde,ef->afcd', t74, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t89 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t90 = oe.contract('ab,cbd,cde,ef->afcd', t71, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t91 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t92 = np.reshape(t88, t88.shape[:2] + (-1,))
+    t93 = np.reshape(t90, t90.shape[:2] + (-1,))
+    t94 = np.concatenate([t92, t93], axis=-1)
+    t95 = np.reshape(t89, t89.shape[:2] + (-1,))
+    t96 = np.reshape(t91, t91.shape[:2] + (-1,))
+    t97 = np.concatenate([t95, t96], axis=-1)
+    t87[...] = oe.contract('abg,efg->eafb', t94, t97, optimize=[(0, 1)])
+    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t99 = np.reshape(t98, (d_V, d_K, d_V, d_V), copy=False)
+    t100 = (1/(L*math.sqrt(d_K)*n_batch)) * t70
+    t101 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t102 = oe.contract('ab,cdb,cde->aecd', t100, X, M_1, optimize=[(0, 1), (0, 1)])
+    t103 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t104 = oe.contract('ab,cdb,cde->aecd', t103, X, G, optimize=[(0, 1), (0, 1)])
+    t105 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t99[...] = oe.contract('abcd,efcd->aefb', t101, t102, optimize=[(0, 1)])
+    t99 += oe.contract('abcd,efcd->eafb', t104, t105, optimize=[(0, 1)])
+    t106 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t107 = np.reshape(t106, (d_V, d_V, d_V, d_K), copy=False)
+    t108 = np.swapaxes(G, -1, -2)
+    t109 = (1/(math.sqrt(d_K)*n_batch)) * t108
+    t110 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t111 = oe.contract('abc,acd->bdac', t109, X, optimize=[(0, 1)])
+    t112 = np.swapaxes(M_1, -1, -2)
+    t113 = (1/(L*math.sqrt(d_K)*n_batch)) * t112
+    t114 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t115 = oe.contract('abc,acd->bdac', t113, X, optimize=[(0, 1)])
+    t107[...] = oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
+    t107 += oe.contract('abcd,efcd->eafb', t114, t115, optimize=[(0, 1)])
+    t116 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t117 = np.reshape(t116, (d_V, d_V, d_V, d_K), copy=False)
+    t118 = oe.contract('abc,acd,de->beac', t109, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t120 = oe.contract('abc,acd,de->beac', t113, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t121 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t117[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t117 += oe.contract('abcd,efcd->aefb', t120, t121, optimize=[(0, 1)])
+    t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t123 = np.reshape(t122, (d_V, d_V, d_V, d_V), copy=False)
+    t124 = (1/(L*n_batch)) * t112
+    t125 = oe.contract('abc,abcd->cdab', t13, dA19, optimize=[(0, 1)])
+    t126 = oe.contract('abc,acd->bdac', t124, M_1, optimize=[(0, 1)])
+    t123[...] = oe.contract('abcd,efcd->eafb', t125, t126, optimize=[(0, 1)])
     return H
 
 
@@ -14195,7 +14525,6 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
     t22 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     F = t14
     t23 = np.exp(F - F.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -14214,6 +14543,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = (1/(d_K*n_batch)) * t1
     t33 = oe.contract('ab,cdbe,ea->acd', t32, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t34 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
     return out
 
@@ -14303,24 +14633,33 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t14
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t12 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t19 @ t2
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdims=True)
-    t29 = A * t28
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t12 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t19 @ t2
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdims=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t31, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t30, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdbe,ef->afcd', t32, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t35 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t36 = np.reshape(t33, t33.shape[:2] + (-1,))
+    t37 = np.concatenate([t35, t36], axis=-1)
+    t38 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t39 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t40 = np.concatenate([t38, t39], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t37, t40, optimize=[(0, 1)])
     return out
 
 
@@ -14383,63 +14722,68 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_K, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t9 = np.where(t8, -math.inf, t7)
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A = t10 / t10.sum(-1, keepdims=True)
-    t11 = Y.sum(-1, keepdims=True)
-    t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t12 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t1 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
-    t29 = np.eye(L, dtype=X.dtype)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    t10 = Y.sum(-1, keepdims=True)
+    t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t11 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = np.swapaxes(W_V, -1, -2)
+    t20 = t19 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t3
-    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = np.eye(d_V, dtype=X.dtype)
+    t28 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
+    t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
-    t37 = (1/(L*d_K*n_batch)) * t3
-    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t39 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t37, M_2, W_V, t12, dA36, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    dA31 = oe.contract('abc,cd->abcd', A29, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A29, A29, optimize=[(0, 1)])
+    t32 = (1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t32, M_2, W_V, t11, dA31, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t35 = np.einsum('abcb->abc', t0)
+    t36 = t23 @ X
+    t37 = t2 @ t36
+    t38 = np.ones((d_K,), dtype=X.dtype)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc->bc', t37, optimize=[(0,)])
+    t41 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t42 = np.reshape(t33, t33.shape[:2] + (-1,))
+    t43 = np.concatenate([t41, t42], axis=-1)
+    t44 = np.reshape(t27, t27.shape[:2] + (-1,))
+    t45 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t46 = np.concatenate([t44, t45], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t43, t46, optimize=[(0, 1)])
+    t35 += oe.contract('ab,c->acb', t40, t39, optimize=[(0, 1)])
     return out
 
 
@@ -14531,18 +14875,20 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, W_V, t12, dA18, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t19, M_2, W_V, t12, dA18, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
     F = t14
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t12 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t26 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cdeb->aecd', t25, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t12 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t28 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cdeb->aecd', t27, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -14627,7 +14973,6 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     F = t15
     t24 = np.exp(F - F.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
@@ -14644,7 +14989,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t33 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t33, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t34 = oe.contract('ab,cbd,cde,ea->acd', t33, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -14706,9 +15054,8 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
+    t1 = np.swapaxes(W_Q, -1, -2)
     t2 = np.swapaxes(X, -1, -2)
     t3 = np.swapaxes(W_K, -1, -2)
     t4 = t3 @ t2
@@ -14736,33 +15083,41 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
-    t25 = np.swapaxes(t24, -1, -2)
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = np.ones((d_K,), dtype=X.dtype)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
-    t30 = np.swapaxes(W_Q, -1, -2)
-    t31 = np.eye(L, dtype=X.dtype)
+    t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t30
-    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t35 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A36 = t35 / t35.sum(-1, keepdims=True)
-    t37 = np.eye(d_V, dtype=X.dtype)
+    t29 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = oe.contract('abc,cd->abcd', A36, t37, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A36, A36, optimize=[(0, 1)])
-    t39 = (1/(L*d_K*n_batch)) * t30
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t39, M_2, X, W_V, t12, dA38, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA32 = oe.contract('abc,cd->abcd', A30, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A30, A30, optimize=[(0, 1)])
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA32, t12, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdb,cde->aecd', t33, X, X, optimize=[(0, 1), (0, 1)])
+    t36 = np.einsum('abcb->abc', t0)
+    t37 = np.swapaxes(t24, -1, -2)
+    t38 = t37 @ X
+    t39 = t2 @ t38
+    t40 = np.ones((d_K,), dtype=X.dtype)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = oe.contract('abc->bc', t39, optimize=[(0,)])
+    t43 = np.reshape(t27, t27.shape[:2] + (-1,))
+    t44 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t45 = np.concatenate([t43, t44], axis=-1)
+    t46 = np.reshape(t28, t28.shape[:2] + (-1,))
+    t47 = np.reshape(t35, t35.shape[:2] + (-1,))
+    t48 = np.concatenate([t46, t47], axis=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t45, t48, optimize=[(0, 1)])
+    t36 += oe.contract('ab,c->acb', t42, t41, optimize=[(0, 1)])
     return out
 
 
@@ -14860,7 +15215,6 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = oe.contract('ab,cdb,cde,ef->afcd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     F = t15
     t24 = np.exp(F - F.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
@@ -14879,7 +15233,13 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t33 = (1/(d_K*n_batch)) * t1
     t34 = oe.contract('ab,cbd,cde,ef->afcd', t33, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t35 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t37 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t39 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t40 = np.reshape(t35, t35.shape[:2] + (-1,))
+    t41 = np.concatenate([t39, t40], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
     return out
 
 
@@ -14971,18 +15331,20 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, M_1, optimize=[(0, 1), (0, 1)])
     F = t15
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t13 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t27 = oe.contract('ab,cdb,cde->aecd', t26, X, G, optimize=[(0, 1), (0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t13 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('ab,cdb,cde->aecd', t28, X, G, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -15135,7 +15497,6 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
     t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     t24 = np.swapaxes(M_1, -1, -2)
     t25 = np.exp(t13 - t13.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
@@ -15146,6 +15507,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA28, t29, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -15235,7 +15597,6 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
     t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t24 = np.swapaxes(M_1, -1, -2)
     t25 = np.exp(t13 - t13.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
@@ -15246,6 +15607,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
     t32 = oe.contract('abc,abcd,de,abef->cfab', t2, dA28, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -15326,7 +15688,9 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t18 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t18, t13, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abcd->cdab', t13, dA, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 

@@ -93,7 +93,8 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t19 = t14 @ t10
     t20 = np.ones((d_V,), dtype=X.dtype)
     t21 = (2/(L*d_V*n_batch)) * t20
-    t18 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t18 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
     return H
 
 
@@ -264,7 +265,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
+    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -343,7 +345,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
+    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
 
@@ -399,9 +402,11 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t6, -1, -2)
     t20 = (1/n_batch) * t17
-    t16 += oe.contract('abc,adc,ace->dbe', t20, t19, X, optimize=[(0, 1), (0, 1)])
-    t21 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t21[...] = 0
+    t21 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t22 = oe.contract('abc,adc->dbac', t20, t19, optimize=[(0, 1)])
+    t16 += oe.contract('abc,debc->dea', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
     return H
 
 
@@ -586,7 +591,9 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t9 = np.heaviside(t2, 0.0)
     t10 = np.swapaxes(t9, -1, -2)
     t11 = (1/n_batch) * t7
-    t1 += oe.contract('abc,adc,ace->dbe', t11, t10, X, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t13 = oe.contract('abc,adc->dbac', t11, t10, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -651,7 +658,6 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
     t10 = (t3 * np.heaviside(t3, 0.0))
-    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t11 = np.einsum('abbc->abc', t9)
     t12 = t10 @ W_2
     F = t12
@@ -661,26 +667,30 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t15 = (1/n_batch) * t2
     t16 = oe.contract('abc->cab', G, optimize=[(0,)])
     t17 = oe.contract('abc,acd->bdac', t15, t4, optimize=[(0, 1)])
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t11 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
     t20 = np.swapaxes(t3, -1, -2)
     t21 = np.swapaxes(t10, -1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
-    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t23 = np.einsum('abca->abc', t19)
     t24 = np.swapaxes(G, -1, -2)
     t25 = np.swapaxes(t4, -1, -2)
     t26 = (1/n_batch) * t24
-    t23 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
-    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_ff, d_V, d_ff, d_V), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = t21 @ t10
-    t31 = np.ones((d_V,), dtype=X.dtype)
-    t32 = (2/(L*d_V*n_batch)) * t31
-    t29 += oe.contract('abc,d->bdc', t30, t32, optimize=[(0, 1)])
+    t27 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t28 = oe.contract('abc,adc->dbac', t26, t25, optimize=[(0, 1)])
+    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 += oe.contract('abc,debc->dea', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = t21 @ t10
+    t33 = np.ones((d_V,), dtype=X.dtype)
+    t34 = (2/(L*d_V*n_batch)) * t33
+    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
+    t31 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
     return H
 
 
@@ -834,7 +844,6 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
     t5 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t6 = np.einsum('abbc->abc', t0)
     t7 = t4 @ W_2
     F = t7
@@ -844,6 +853,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t10 = (1/n_batch) * t1
     t11 = oe.contract('abc->cab', G, optimize=[(0,)])
     t12 = oe.contract('abc,acd->bdac', t10, t3, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t6 += oe.contract('abc,debc->dea', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -885,7 +895,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
+    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -922,7 +933,6 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t10 = np.einsum('abca->abc', t0)
     t11 = np.swapaxes(t4, -1, -2)
     t12 = t11 @ W_2
@@ -932,7 +942,10 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t14
     t15 = np.swapaxes(G, -1, -2)
     t16 = (1/n_batch) * t15
-    t10 += oe.contract('abc,adc,ace->dbe', t16, t7, X, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t18 = oe.contract('abc,adc->dbac', t16, t7, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -981,7 +994,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
+    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1245,7 +1259,9 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
     t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t26 = np.reshape(t25, (d_ff, d_V, d_ff, d_V), copy=False)
-    t26[...] = oe.contract('abc,acd,acde,acf->bdfe', t23, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t23, t7, optimize=[(0, 1)])
+    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return H
 
 
@@ -1601,7 +1617,9 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1669,9 +1687,11 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t22 = np.swapaxes(t5, -1, -2)
     t23 = np.swapaxes(t6, -1, -2)
     t24 = (1/n_batch) * t21
-    t20 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
-    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t25[...] = 0
+    t25 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t26 = oe.contract('abc,adc->dbac', t24, t23, optimize=[(0, 1)])
+    t20 += oe.contract('abc,debc->dea', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
     return H
 
 
@@ -1881,7 +1901,9 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t13 = np.heaviside(t4, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/n_batch) * t11
-    t1 += oe.contract('abc,adc,ace->dbe', t15, t14, X, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t17 = oe.contract('abc,adc->dbac', t15, t14, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1962,7 +1984,6 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t16 = np.reshape(t15, (d_V, d_ff, d_ff, d_V), copy=False)
     t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
     t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
-    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     t19 = np.einsum('abbc->abc', t16)
     F = t8
     t20 = np.exp(F - F.max(-1, keepdims=True))
@@ -1974,6 +1995,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t25 = (1/n_batch) * t2
     t26 = oe.contract('abc->cab', G, optimize=[(0,)])
     t27 = oe.contract('abc,acd->bdac', t25, t4, optimize=[(0, 1)])
+    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     t19 += oe.contract('abc,debc->dea', t26, t27, optimize=[(0, 1)])
     t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t29 = np.reshape(t28, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -1981,15 +2003,18 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t31 = np.swapaxes(t7, -1, -2)
     t32 = (1/(L*n_batch)) * t31
     t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
     t34 = np.einsum('abca->abc', t29)
     t35 = np.swapaxes(G, -1, -2)
     t36 = np.swapaxes(t4, -1, -2)
     t37 = (1/n_batch) * t35
-    t34 += oe.contract('abc,adc,ace->dbe', t37, t36, X, optimize=[(0, 1), (0, 1)])
-    t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t39 = np.reshape(t38, (d_ff, d_V, d_ff, d_V), copy=False)
-    t39[...] = oe.contract('abc,acd,acde,acf->bdfe', t32, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t38 = oe.contract('abc,adc->dbac', t37, t36, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
+    t34 += oe.contract('abc,debc->dea', t14, t38, optimize=[(0, 1)])
+    t39 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t40 = np.reshape(t39, (d_ff, d_V, d_ff, d_V), copy=False)
+    t41 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t42 = oe.contract('abc,acd->bdac', t32, t7, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
     return H
 
 
@@ -2204,7 +2229,6 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t10 = (1/(L*n_batch)) * t1
     t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
     t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     t13 = np.einsum('abbc->abc', t0)
     F = t7
     t14 = np.exp(F - F.max(-1, keepdims=True))
@@ -2216,6 +2240,7 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t19 = (1/n_batch) * t1
     t20 = oe.contract('abc->cab', G, optimize=[(0,)])
     t21 = oe.contract('abc,acd->bdac', t19, t3, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     t13 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -2330,7 +2355,6 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t15 = (1/(L*n_batch)) * t4
     t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
     t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     t18 = np.einsum('abca->abc', t0)
     F = t9
     t19 = np.exp(F - F.max(-1, keepdims=True))
@@ -2341,7 +2365,9 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t23
     t24 = np.swapaxes(G, -1, -2)
     t25 = (1/n_batch) * t24
-    t18 += oe.contract('abc,adc,ace->dbe', t25, t13, X, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,adc->dbac', t25, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t18 += oe.contract('abc,debc->dea', t17, t26, optimize=[(0, 1)])
     return out
 
 
@@ -2404,7 +2430,9 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 

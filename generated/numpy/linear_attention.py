@@ -99,67 +99,84 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
-    t16 = X @ W_Q
-    t17 = t2 @ t16
-    t18 = np.swapaxes(t11, -1, -2)
-    t19 = t18 @ X
-    t20 = (2/(L*d_K*d_V*n_batch)) * t17
-    t15[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
-    t23 = t16 @ t5
-    t24 = (1/math.sqrt(d_K)) * t23
-    T = t24
-    t25 = T @ X
-    t26 = t2 @ t25
-    t27 = np.swapaxes(t7, -1, -2)
-    t28 = t5 @ t27
-    t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t26
-    t22[...] = oe.contract('abc,ade->bdce', t29, t28, optimize=[(0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
-    t32 = np.swapaxes(t19, -1, -2)
-    t33 = np.swapaxes(t17, -1, -2)
-    t34 = (2/(L*d_K*d_V*n_batch)) * t32
-    t31[...] = oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t37 = t9 @ X
-    t38 = t2 @ t37
-    t39 = np.swapaxes(t16, -1, -2)
-    t40 = t39 @ t16
-    t41 = (2/(L*d_K*d_V*n_batch)) * t38
-    t36[...] = oe.contract('abc,ade->bdce', t41, t40, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
-    t44 = t2 @ t27
-    t45 = t39 @ t25
-    t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
-    t43[...] = oe.contract('abc,ade->bdec', t46, t45, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = np.swapaxes(t26, -1, -2)
-    t50 = np.swapaxes(t28, -1, -2)
-    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t49
-    t48[...] = oe.contract('abc,ade->bdce', t51, t50, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
-    t54 = np.swapaxes(t45, -1, -2)
-    t55 = np.swapaxes(t44, -1, -2)
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
+    t18 = X @ W_Q
+    t19 = t2 @ t18
+    t20 = np.swapaxes(t11, -1, -2)
+    t21 = t20 @ X
+    t22 = (2/(L*d_K*d_V*n_batch)) * t19
+    t23 = oe.contract('abc->bca', t22, optimize=[(0,)])
+    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t17[...] = oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
+    t27 = t18 @ t5
+    t28 = (1/math.sqrt(d_K)) * t27
+    T = t28
+    t29 = T @ X
+    t30 = t2 @ t29
+    t31 = np.swapaxes(t7, -1, -2)
+    t32 = t5 @ t31
+    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t30
+    t34 = oe.contract('abc->bca', t32, optimize=[(0,)])
+    t35 = oe.contract('abc->bca', t33, optimize=[(0,)])
+    t26[...] = oe.contract('abc,dec->daeb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
+    t38 = np.swapaxes(t21, -1, -2)
+    t39 = np.swapaxes(t19, -1, -2)
+    t40 = (2/(L*d_K*d_V*n_batch)) * t38
+    t41 = oe.contract('abc->bca', t40, optimize=[(0,)])
+    t42 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t37[...] = oe.contract('abc,dec->adeb', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
+    t45 = t9 @ X
+    t46 = t2 @ t45
+    t47 = np.swapaxes(t18, -1, -2)
+    t48 = t47 @ t18
+    t49 = (2/(L*d_K*d_V*n_batch)) * t46
+    t50 = oe.contract('abc->bca', t48, optimize=[(0,)])
+    t51 = oe.contract('abc->bca', t49, optimize=[(0,)])
+    t44[...] = oe.contract('abc,dec->daeb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = t2 @ t31
+    t55 = t47 @ t29
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
-    t53[...] = oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57[...] = 0
-    t58 = np.reshape(t57, (d_V, d_V, d_V, d_V), copy=False)
-    t59 = np.einsum('abcb->abc', t58)
-    t60 = np.swapaxes(t25, -1, -2)
-    t61 = t60 @ t25
-    t62 = np.ones((d_V,), dtype=X.dtype)
-    t63 = (2/(L*d_V*n_batch)) * t62
-    t59 += oe.contract('abc,d->bdc', t61, t63, optimize=[(0, 1)])
+    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t58 = oe.contract('abc->bca', t55, optimize=[(0,)])
+    t53[...] = oe.contract('abc,dec->adeb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
+    t61 = np.swapaxes(t30, -1, -2)
+    t62 = np.swapaxes(t32, -1, -2)
+    t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t61
+    t64 = oe.contract('abc->bca', t62, optimize=[(0,)])
+    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
+    t60[...] = oe.contract('abc,dec->daeb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
+    t68 = np.swapaxes(t55, -1, -2)
+    t69 = np.swapaxes(t54, -1, -2)
+    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
+    t71 = oe.contract('abc->bca', t70, optimize=[(0,)])
+    t72 = oe.contract('abc->bca', t69, optimize=[(0,)])
+    t67[...] = oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t73[...] = 0
+    t74 = np.reshape(t73, (d_V, d_V, d_V, d_V), copy=False)
+    t75 = np.einsum('abcb->abc', t74)
+    t76 = np.swapaxes(t29, -1, -2)
+    t77 = t76 @ t29
+    t78 = np.ones((d_V,), dtype=X.dtype)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t80 = oe.contract('abc->bc', t77, optimize=[(0,)])
+    t75 += oe.contract('ab,c->acb', t80, t79, optimize=[(0, 1)])
     return H
 
 
@@ -287,7 +304,9 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -331,7 +350,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -377,7 +398,9 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t5 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -423,7 +446,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t3 @ t9
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
+    t12 = oe.contract('abc->bca', t10, optimize=[(0,)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -469,7 +494,9 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -513,7 +540,9 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t1
     t11 = t10 @ X
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -559,7 +588,9 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -607,7 +638,9 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ X
     t12 = t5 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -656,7 +689,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -703,7 +737,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(t3, -1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -755,7 +791,9 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t12 @ X
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
-    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -807,7 +845,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -865,41 +904,50 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t3 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
-    t22 = t4 @ G
-    t23 = t6 @ X
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t21[...] = oe.contract('abc,ade->bdec', t24, t23, optimize=[(0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = np.swapaxes(t17, -1, -2)
-    t27 += oe.contract('abc,d->bdc', t28, t19, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_V), copy=False)
-    t32 = t4 @ X
-    t33 = np.swapaxes(W_Q, -1, -2)
-    t34 = t33 @ t4
-    t35 = t34 @ G
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t31[...] = oe.contract('abc,ade->bdce', t36, t35, optimize=[(0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_K), copy=False)
-    t39 = np.swapaxes(t23, -1, -2)
-    t40 = np.swapaxes(t22, -1, -2)
-    t41 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t38[...] = oe.contract('abc,ade->bdec', t41, t40, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
-    t44 = np.swapaxes(t35, -1, -2)
-    t43[...] = oe.contract('abc,ade->bdce', t36, t44, optimize=[(0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
+    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t3 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
+    t23 = t4 @ G
+    t24 = t6 @ X
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t26 = oe.contract('abc->bca', t25, optimize=[(0,)])
+    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
+    t22[...] = oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
+    t30 = np.einsum('abcb->abc', t29)
+    t31 = np.swapaxes(t17, -1, -2)
+    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t30 += oe.contract('ab,c->acb', t32, t19, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
+    t36 = t4 @ X
+    t37 = np.swapaxes(W_Q, -1, -2)
+    t38 = t37 @ t4
+    t39 = t38 @ G
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t41 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t42 = oe.contract('abc->bca', t40, optimize=[(0,)])
+    t35[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
+    t45 = np.swapaxes(t24, -1, -2)
+    t46 = np.swapaxes(t23, -1, -2)
+    t47 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t48 = oe.contract('abc->bca', t47, optimize=[(0,)])
+    t49 = oe.contract('abc->bca', t46, optimize=[(0,)])
+    t44[...] = oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
+    t52 = np.swapaxes(t39, -1, -2)
+    t53 = oe.contract('abc->bca', t52, optimize=[(0,)])
+    t51[...] = oe.contract('abc,dec->daeb', t53, t42, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54[...] = 0
     return H
 
 
@@ -1070,7 +1118,8 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = np.ones((d_K,), dtype=X.dtype)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t1 += oe.contract('abc,d->bdc', t15, t17, optimize=[(0, 1)])
+    t18 = oe.contract('abc->bc', t15, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1126,7 +1175,9 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = t1 @ G
     t12 = t3 @ X
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1206,7 +1257,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = np.ones((d_K,), dtype=X.dtype)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t1 += oe.contract('abc,d->bdc', t16, t18, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bc', t16, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t19, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1285,7 +1337,9 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t4 @ G
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1362,7 +1416,9 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = t12 @ X
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1419,7 +1475,9 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = t12 @ t13
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1492,105 +1550,111 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14[...] = 0
-    t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
-    t16 = np.einsum('abcb->abc', t15)
-    t17 = W_Q @ t5
-    t18 = X @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    T = t19
-    t20 = np.swapaxes(t7, -1, -2)
-    t21 = T @ t20
-    F = t21
-    t22 = F - Y
-    t23 = (2/(L*d_V)) * t22
-    G = t23
-    t24 = G @ t7
-    t25 = t24 @ X
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
-    t16 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
-    t29 = X @ W_Q
-    t30 = np.swapaxes(t11, -1, -2)
-    t31 = t30 @ X
-    t32 = (2/(L*d_K*d_V*n_batch)) * t2
-    t33 = oe.contract('abc,acd->bda', t32, t29, optimize=[(0, 1)])
-    t34 = oe.contract('abc->bca', t31, optimize=[(0,)])
-    t15 += oe.contract('abc,dec->adeb', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
-    t37 = t5 @ X
-    t38 = T @ X
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t40 = oe.contract('abc,cd->bda', t37, W_V, optimize=[(0, 1)])
-    t41 = oe.contract('abc,acd->bda', t39, t38, optimize=[(0, 1)])
-    t36[...] = oe.contract('abc,dec->daeb', t40, t41, optimize=[(0, 1)])
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t43 = oe.contract('abc,acd->bda', t42, G, optimize=[(0, 1)])
-    t44 = oe.contract('abc->bca', t37, optimize=[(0,)])
-    t36 += oe.contract('abc,dec->adeb', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t45[...] = 0
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
-    t47 = np.einsum('abcb->abc', t46)
-    t48 = t2 @ t20
-    t49 = np.swapaxes(G, -1, -2)
-    t50 = t49 @ X
-    t51 = oe.contract('abc,acd->bd', t48, t50, optimize=[(0, 1)])
-    t47 += oe.contract('ab,c->acb', t51, t27, optimize=[(0, 1)])
-    t52 = t7 @ t10
-    t53 = np.swapaxes(t29, -1, -2)
-    t54 = t53 @ X
-    t55 = (2/(L*d_K*d_V*n_batch)) * t48
-    t56 = oe.contract('abc,acd->bda', t55, t52, optimize=[(0, 1)])
-    t57 = oe.contract('abc->bca', t54, optimize=[(0,)])
-    t46 += oe.contract('abc,dec->adeb', t56, t57, optimize=[(0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
-    t60 = t9 @ X
-    t61 = t2 @ t60
-    t62 = t53 @ t29
-    t63 = (2/(L*d_K*d_V*n_batch)) * t61
-    t59[...] = oe.contract('abc,ade->bdce', t63, t62, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = np.reshape(t64, (d_V, d_K, d_V, d_V), copy=False)
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t67 = oe.contract('abc,acd->bda', t66, G, optimize=[(0, 1)])
-    t68 = oe.contract('abc->bca', t3, optimize=[(0,)])
-    t65[...] = oe.contract('abc,dec->daeb', t67, t68, optimize=[(0, 1)])
-    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t53
-    t70 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd->bda', t69, t38, optimize=[(0, 1)])
-    t65 += oe.contract('abc,dec->adeb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
-    t74 = np.swapaxes(T, -1, -2)
-    t75 = t74 @ X
-    t73[...] = oe.contract('abc,acd,aef->bedf', t39, t75, t52, optimize=[(0, 1), (0, 1)])
-    t76 = oe.contract('abc,acd->bda', t42, t10, optimize=[(0, 1)])
-    t77 = oe.contract('abc->bca', t50, optimize=[(0,)])
-    t73 += oe.contract('abc,dec->adeb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t79 = np.reshape(t78, (d_V, d_V, d_V, d_K), copy=False)
-    t80 = t49 @ t29
-    t79[...] = oe.contract('abc,acd,aef->bedf', t42, X, t80, optimize=[(0, 1), (0, 1)])
-    t81 = t74 @ t29
-    t82 = np.swapaxes(t48, -1, -2)
-    t83 = oe.contract('abc,acd->bda', t39, t81, optimize=[(0, 1)])
-    t84 = oe.contract('abc->bca', t82, optimize=[(0,)])
-    t79 += oe.contract('abc,dec->adeb', t83, t84, optimize=[(0, 1)])
-    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85[...] = 0
-    t86 = np.reshape(t85, (d_V, d_V, d_V, d_V), copy=False)
-    t87 = np.einsum('abcb->abc', t86)
-    t88 = np.swapaxes(t38, -1, -2)
-    t89 = t88 @ t38
-    t90 = np.ones((d_V,), dtype=X.dtype)
-    t91 = (2/(L*d_V*n_batch)) * t90
-    t87 += oe.contract('abc,d->bdc', t89, t91, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
+    t18 = X @ W_Q
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = t19 @ X
+    t21 = (2/(L*d_K*d_V*n_batch)) * t2
+    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t24 = np.einsum('abcb->abc', t17)
+    t25 = t18 @ t5
+    t26 = (1/math.sqrt(d_K)) * t25
+    T = t26
+    t27 = np.swapaxes(t7, -1, -2)
+    t28 = T @ t27
+    F = t28
+    t29 = F - Y
+    t30 = (2/(L*d_V)) * t29
+    G = t30
+    t31 = G @ t7
+    t32 = t31 @ X
+    t33 = np.ones((d_K,), dtype=X.dtype)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
+    t17[...] = oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t24 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
+    t38 = t5 @ X
+    t39 = T @ X
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
+    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
+    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
+    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
+    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t48 = t2 @ t27
+    t49 = t7 @ t10
+    t50 = np.swapaxes(t18, -1, -2)
+    t51 = t50 @ X
+    t52 = (2/(L*d_K*d_V*n_batch)) * t48
+    t53 = oe.contract('abc,acd->bda', t52, t49, optimize=[(0, 1)])
+    t54 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t55 = np.einsum('abcb->abc', t47)
+    t56 = np.swapaxes(G, -1, -2)
+    t57 = t56 @ X
+    t58 = oe.contract('abc,acd->bd', t48, t57, optimize=[(0, 1)])
+    t47[...] = oe.contract('abc,dec->adeb', t53, t54, optimize=[(0, 1)])
+    t55 += oe.contract('ab,c->acb', t58, t34, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
+    t61 = t9 @ X
+    t62 = t2 @ t61
+    t63 = t50 @ t18
+    t64 = (2/(L*d_K*d_V*n_batch)) * t62
+    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
+    t66 = oe.contract('abc->bca', t64, optimize=[(0,)])
+    t60[...] = oe.contract('abc,dec->daeb', t65, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t70 = oe.contract('abc,acd->bda', t69, G, optimize=[(0, 1)])
+    t71 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t73 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd->bda', t72, t39, optimize=[(0, 1)])
+    t68[...] = oe.contract('abc,dec->daeb', t70, t71, optimize=[(0, 1)])
+    t68 += oe.contract('abc,dec->adeb', t73, t74, optimize=[(0, 1)])
+    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
+    t77 = np.swapaxes(T, -1, -2)
+    t78 = t77 @ X
+    t79 = oe.contract('abc->bca', t49, optimize=[(0,)])
+    t80 = oe.contract('abc,acd->bda', t40, t78, optimize=[(0, 1)])
+    t81 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
+    t82 = oe.contract('abc->bca', t57, optimize=[(0,)])
+    t76[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
+    t76 += oe.contract('abc,dec->adeb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
+    t85 = t56 @ t18
+    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
+    t87 = oe.contract('abc,acd->bda', t43, X, optimize=[(0, 1)])
+    t88 = t77 @ t18
+    t89 = np.swapaxes(t48, -1, -2)
+    t90 = oe.contract('abc,acd->bda', t40, t88, optimize=[(0, 1)])
+    t91 = oe.contract('abc->bca', t89, optimize=[(0,)])
+    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
+    t84 += oe.contract('abc,dec->adeb', t90, t91, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t92[...] = 0
+    t93 = np.reshape(t92, (d_V, d_V, d_V, d_V), copy=False)
+    t94 = np.einsum('abcb->abc', t93)
+    t95 = np.swapaxes(t39, -1, -2)
+    t96 = t95 @ t39
+    t97 = np.ones((d_V,), dtype=X.dtype)
+    t98 = (2/(L*d_V*n_batch)) * t97
+    t99 = oe.contract('abc->bc', t96, optimize=[(0,)])
+    t94 += oe.contract('ab,c->acb', t99, t98, optimize=[(0, 1)])
     return H
 
 
@@ -1749,7 +1813,9 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1793,7 +1859,9 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1826,37 +1894,37 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = X @ W_Q
     t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = np.swapaxes(t8, -1, -2)
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = np.ones((d_K,), dtype=X.dtype)
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abc,acd->bd', t2, t14, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
-    t18 = X @ W_Q
-    t19 = t8 @ t12
-    t20 = t19 @ X
-    t21 = t4 @ t20
-    t22 = (2/(L*d_K*d_V*n_batch)) * t2
-    t23 = oe.contract('abc,acd->bda', t22, t18, optimize=[(0, 1)])
-    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t4 = t3 @ t1
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t1
+    t7 = W_V @ t6
+    t8 = X @ t7
+    t9 = t8 @ X
+    t10 = t4 @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('abc,acd->bda', t11, t2, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t10, optimize=[(0,)])
+    t14 = np.einsum('abcb->abc', t0)
+    t15 = t2 @ t4
+    t16 = (1/math.sqrt(d_K)) * t15
+    T = t16
+    t17 = np.swapaxes(t6, -1, -2)
+    t18 = T @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G @ t6
+    t22 = t21 @ X
+    t23 = np.ones((d_K,), dtype=X.dtype)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->adeb', t12, t13, optimize=[(0, 1)])
+    t14 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
     return out
 
 
@@ -1911,7 +1979,6 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
     t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
@@ -1920,6 +1987,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
     t17 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1969,7 +2037,9 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2000,39 +2070,37 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
-    t3 = X @ W_V
-    t4 = t2 @ t3
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = T @ t3
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = t13 @ X
-    t15 = np.ones((d_K,), dtype=X.dtype)
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abc,acd->bd', t4, t14, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
-    t18 = np.swapaxes(t3, -1, -2)
-    t19 = np.swapaxes(t6, -1, -2)
-    t20 = t18 @ t19
-    t21 = np.swapaxes(W_Q, -1, -2)
-    t22 = t21 @ t2
-    t23 = t22 @ X
-    t24 = (2/(L*d_K*d_V*n_batch)) * t4
-    t25 = oe.contract('abc,acd->bda', t24, t20, optimize=[(0, 1)])
-    t26 = oe.contract('abc->bca', t23, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = X @ W_V
+    t3 = t1 @ t2
+    t4 = np.swapaxes(t2, -1, -2)
+    t5 = X @ W_K
+    t6 = t4 @ t5
+    t7 = np.swapaxes(W_Q, -1, -2)
+    t8 = t7 @ t1
+    t9 = t8 @ X
+    t10 = (2/(L*d_K*d_V*n_batch)) * t3
+    t11 = oe.contract('abc,acd->bda', t10, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc->bca', t9, optimize=[(0,)])
+    t13 = np.einsum('abcb->abc', t0)
+    t14 = np.swapaxes(t8, -1, -2)
+    t15 = np.swapaxes(t5, -1, -2)
+    t16 = t14 @ t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    T = t17
+    t18 = T @ t2
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = t21 @ X
+    t23 = np.ones((d_K,), dtype=X.dtype)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t3, t22, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->adeb', t11, t12, optimize=[(0, 1)])
+    t13 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2089,7 +2157,9 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2142,11 +2212,11 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t15 = oe.contract('abc,acd->bda', t14, G, optimize=[(0, 1)])
     t16 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t19 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
     t20 = oe.contract('abc,acd->bda', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
@@ -2200,7 +2270,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2246,19 +2317,21 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(t3, -1, -2)
     t12 = t10 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t13, t8, t12, optimize=[(0, 1), (0, 1)])
-    t14 = np.swapaxes(t10, -1, -2)
-    t15 = T @ t14
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = t18 @ X
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('abc,acd->bda', t20, t11, optimize=[(0, 1)])
-    t22 = oe.contract('abc->bca', t19, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t21, t22, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t15 = oe.contract('abc,acd->bda', t13, t8, optimize=[(0, 1)])
+    t16 = np.swapaxes(t10, -1, -2)
+    t17 = T @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = t20 @ X
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('abc,acd->bda', t22, t11, optimize=[(0, 1)])
+    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2319,15 +2392,17 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = t11 @ t12
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t14, X, t13, optimize=[(0, 1), (0, 1)])
-    t15 = np.swapaxes(T, -1, -2)
-    t16 = t15 @ t12
-    t17 = np.swapaxes(t7, -1, -2)
-    t18 = t17 @ X
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t20 = oe.contract('abc,acd->bda', t19, t16, optimize=[(0, 1)])
-    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t16 = oe.contract('abc,acd->bda', t14, X, optimize=[(0, 1)])
+    t17 = np.swapaxes(T, -1, -2)
+    t18 = t17 @ t12
+    t19 = np.swapaxes(t7, -1, -2)
+    t20 = t19 @ X
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2385,7 +2460,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2907,57 +2983,66 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t4, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t12 = np.reshape(t11, (d_V, d_K, d_V, d_K), copy=False)
-    t13 = X @ W_Q
-    t14 = oe.contract('abc,acd->bdac', t2, t13, optimize=[(0, 1)])
-    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t17 = np.reshape(t16, (d_V, d_K, d_V, d_V), copy=False)
-    t18 = t13 @ t4
-    t19 = (1/math.sqrt(d_K)) * t18
-    T = t19
-    t20 = Mcausal * T
-    t21 = t20 @ X
-    t22 = np.swapaxes(t6, -1, -2)
-    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t24 = oe.contract('abc,acd->bdac', t4, t22, optimize=[(0, 1)])
-    t25 = oe.contract('abc,cd,ace->bead', t2, t23, t21, optimize=[(0, 1), (0, 1)])
-    t17[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t28 = np.swapaxes(t13, -1, -2)
-    t29 = np.swapaxes(Mcausal, -1, -2)
-    t30 = (2/(L*d_K*d_V*n_batch)) * t29
-    t27[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t28, t30, t8, t29, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = oe.contract('abc,acd->bdac', t28, t13, optimize=[(0, 1)])
-    t34 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t30, t8, t29, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
-    t36[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t28, t37, t22, t21, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
-    t40 = np.swapaxes(t21, -1, -2)
-    t41 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t42 = oe.contract('abc,cd,ace->bead', t40, t23, X, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t44[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t40, t6, t23, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
-    t47 = np.einsum('abcb->abc', t46)
-    t48 = t40 @ t21
-    t49 = np.ones((d_V,), dtype=X.dtype)
-    t50 = (2/(L*d_V*n_batch)) * t49
-    t47 += oe.contract('abc,d->bdc', t48, t50, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
+    t15 = X @ W_Q
+    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t19 = np.reshape(t18, (d_V, d_K, d_V, d_V), copy=False)
+    t20 = t15 @ t4
+    t21 = (1/math.sqrt(d_K)) * t20
+    T = t21
+    t22 = Mcausal * T
+    t23 = t22 @ X
+    t24 = np.swapaxes(t6, -1, -2)
+    t25 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t26 = oe.contract('abc,acd->bdac', t4, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,cd,ace->bead', t2, t25, t23, optimize=[(0, 1), (0, 1)])
+    t19[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
+    t30 = np.swapaxes(t15, -1, -2)
+    t31 = np.swapaxes(Mcausal, -1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t33 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t37 = oe.contract('abc,acd->bdac', t30, t15, optimize=[(0, 1)])
+    t38 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
+    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t42 = oe.contract('abc,cd,ace->bead', t2, t41, t24, optimize=[(0, 1), (0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t30, t23, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
+    t46 = np.swapaxes(t23, -1, -2)
+    t47 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t48 = oe.contract('abc,cd,ace->bead', t46, t25, X, optimize=[(0, 1), (0, 1)])
+    t45[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
+    t51 = oe.contract('abc,cd,ace->bead', t46, t25, t15, optimize=[(0, 1), (0, 1)])
+    t52 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
+    t50[...] = oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53[...] = 0
+    t54 = np.reshape(t53, (d_V, d_V, d_V, d_V), copy=False)
+    t55 = np.einsum('abcb->abc', t54)
+    t56 = t46 @ t23
+    t57 = np.ones((d_V,), dtype=X.dtype)
+    t58 = (2/(L*d_V*n_batch)) * t57
+    t59 = oe.contract('abc->bc', t56, optimize=[(0,)])
+    t55 += oe.contract('ab,c->acb', t59, t58, optimize=[(0, 1)])
     return H
 
 
@@ -3115,7 +3200,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -3250,7 +3337,9 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3292,7 +3381,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_K
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t1, t3, t10, t8, t4, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3386,7 +3477,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = Mcausal * T
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = oe.contract('abc,cd,ace->bead', t1, t13, t5, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t3, t12, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3440,7 +3533,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3548,7 +3642,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,cd,ace->bead', t10, t14, t13, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3605,7 +3701,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += oe.contract('abc,d->bdc', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3670,40 +3767,46 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t3 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t23[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t24, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = np.swapaxes(t19, -1, -2)
-    t27 += oe.contract('abc,d->bdc', t28, t21, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_V), copy=False)
-    t32 = np.swapaxes(W_Q, -1, -2)
-    t33 = t32 @ t4
-    t34 = np.swapaxes(Mcausal, -1, -2)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd->bdac', t33, G, optimize=[(0, 1)])
-    t37 = oe.contract('abc,cd,ace->bead', t4, t35, X, optimize=[(0, 1), (0, 1)])
-    t31[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
-    t40 = np.swapaxes(G, -1, -2)
-    t41 = np.swapaxes(t6, -1, -2)
-    t39[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t40, t35, t41, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t3 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
+    t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t24 = np.reshape(t23, (d_V, d_K, d_V, d_V), copy=False)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t26 = oe.contract('abc,cd,ace->bead', t4, t25, G, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
+    t24[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
+    t30 = np.einsum('abcb->abc', t29)
+    t31 = np.swapaxes(t19, -1, -2)
+    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t30 += oe.contract('ab,c->acb', t32, t21, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
+    t36 = np.swapaxes(W_Q, -1, -2)
+    t37 = t36 @ t4
+    t38 = np.swapaxes(Mcausal, -1, -2)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
+    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
+    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
-    t44 = np.swapaxes(t33, -1, -2)
-    t45 = oe.contract('abc,acd->bdac', t40, t44, optimize=[(0, 1)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t45, t37, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46[...] = 0
+    t44 = np.swapaxes(G, -1, -2)
+    t45 = np.swapaxes(t6, -1, -2)
+    t46 = oe.contract('abc,cd,ace->bead', t4, t39, t45, optimize=[(0, 1), (0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(t37, -1, -2)
+    t51 = oe.contract('abc,acd->bdac', t44, t50, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t41, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -3885,7 +3988,8 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -3944,7 +4048,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t12, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,cd,ace->bead', t1, t12, G, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4028,7 +4134,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
     return out
 
 
@@ -4194,7 +4301,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(Mcausal, -1, -2)
     t14 = np.swapaxes(t3, -1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t12, t15, t14, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t1, t15, t14, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4328,91 +4437,101 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t4, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t11[...] = 0
-    t12 = np.reshape(t11, (d_V, d_K, d_V, d_K), copy=False)
-    t13 = np.einsum('abcb->abc', t12)
-    t14 = W_Q @ t4
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    T = t16
-    t17 = Mcausal * T
-    t18 = np.swapaxes(t6, -1, -2)
-    t19 = t17 @ t18
-    F = t19
-    t20 = F - Y
-    t21 = (2/(L*d_V)) * t20
-    G = t21
-    t22 = G @ t6
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = np.ones((d_K,), dtype=X.dtype)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t27 = oe.contract('abc,acd->bd', t2, t24, optimize=[(0, 1)])
-    t13 += oe.contract('ab,c->acb', t27, t26, optimize=[(0, 1)])
-    t28 = X @ W_Q
-    t29 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
-    t30 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
-    t33 = t17 @ X
-    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t35 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('abc,cd,ace->bead', t2, t34, t33, optimize=[(0, 1), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t32 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t37, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t40 = np.einsum('abcb->abc', t39)
-    t41 = np.swapaxes(t22, -1, -2)
-    t42 = np.swapaxes(Mcausal, -1, -2)
-    t43 = t41 * t42
-    t44 = t43 @ X
-    t45 = oe.contract('abc,acd->bd', t2, t44, optimize=[(0, 1)])
-    t40 += oe.contract('ab,c->acb', t45, t26, optimize=[(0, 1)])
-    t46 = np.swapaxes(t28, -1, -2)
-    t47 = (2/(L*d_K*d_V*n_batch)) * t42
-    t39 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t46, t47, t8, t42, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
-    t50 = oe.contract('abc,acd->bdac', t46, t28, optimize=[(0, 1)])
-    t51 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t47, t8, t42, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
-    t54 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t55 = oe.contract('abc,acd->bdac', t46, G, optimize=[(0, 1)])
-    t56 = oe.contract('abc,cd,ace->bead', t2, t54, X, optimize=[(0, 1), (0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
-    t53 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t46, t57, X, W_V, t33, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
-    t60 = np.swapaxes(T, -1, -2)
-    t61 = t42 * t60
-    t62 = oe.contract('abc,dc,ace->bead', t6, t34, t9, optimize=[(0, 1), (0, 1)])
-    t63 = oe.contract('abc,acd,ade->bead', t2, t61, X, optimize=[(0, 1), (0, 1)])
-    t59[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = np.swapaxes(G, -1, -2)
-    t59 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t64, t54, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
+    t15 = X @ W_Q
+    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t18 = np.einsum('abcb->abc', t14)
+    t19 = t15 @ t4
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = np.swapaxes(t6, -1, -2)
+    t23 = t21 @ t22
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = G @ t6
+    t27 = Mcausal * t26
+    t28 = t27 @ X
+    t29 = np.ones((d_K,), dtype=X.dtype)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc,acd->bd', t2, t28, optimize=[(0, 1)])
+    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
+    t34 = t21 @ X
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t39 = oe.contract('abc,cd,ace->bead', t2, t38, G, optimize=[(0, 1), (0, 1)])
+    t40 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
+    t43 = np.swapaxes(t15, -1, -2)
+    t44 = np.swapaxes(Mcausal, -1, -2)
+    t45 = (2/(L*d_K*d_V*n_batch)) * t44
+    t46 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
+    t48 = np.einsum('abcb->abc', t42)
+    t49 = np.swapaxes(t26, -1, -2)
+    t50 = t49 * t44
+    t51 = t50 @ X
+    t52 = oe.contract('abc,acd->bd', t2, t51, optimize=[(0, 1)])
+    t42[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 += oe.contract('ab,c->acb', t52, t30, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
+    t55 = oe.contract('abc,acd->bdac', t43, t15, optimize=[(0, 1)])
+    t56 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_V), copy=False)
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t60 = oe.contract('abc,acd->bdac', t43, G, optimize=[(0, 1)])
+    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
+    t62 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
+    t63 = oe.contract('abc,cd,ace,ef->bfad', t2, t62, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,acd->bdac', t43, t34, optimize=[(0, 1)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
-    t66[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t61, t6, t34, t28, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
-    t67 = oe.contract('abc,acd->bdac', t64, t28, optimize=[(0, 1)])
-    t66 += oe.contract('abcd,efcd->eafb', t67, t56, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68[...] = 0
-    t69 = np.reshape(t68, (d_V, d_V, d_V, d_V), copy=False)
-    t70 = np.einsum('abcb->abc', t69)
-    t71 = np.swapaxes(t33, -1, -2)
-    t72 = t71 @ t33
-    t73 = np.ones((d_V,), dtype=X.dtype)
-    t74 = (2/(L*d_V*n_batch)) * t73
-    t70 += oe.contract('abc,d->bdc', t72, t74, optimize=[(0, 1)])
+    t67 = np.swapaxes(T, -1, -2)
+    t68 = t44 * t67
+    t69 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
+    t70 = oe.contract('abc,acd,ade->bead', t2, t68, X, optimize=[(0, 1), (0, 1)])
+    t71 = np.swapaxes(G, -1, -2)
+    t72 = oe.contract('abc,cd,ace->bead', t2, t59, t9, optimize=[(0, 1), (0, 1)])
+    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t66 += oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = np.reshape(t74, (d_V, d_V, d_V, d_K), copy=False)
+    t76 = oe.contract('abc,acd,ade->bead', t2, t68, t15, optimize=[(0, 1), (0, 1)])
+    t77 = oe.contract('abc,dc,ace->bead', t6, t35, X, optimize=[(0, 1), (0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t71, t15, optimize=[(0, 1)])
+    t75[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t75 += oe.contract('abcd,efcd->eafb', t78, t61, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t79[...] = 0
+    t80 = np.reshape(t79, (d_V, d_V, d_V, d_V), copy=False)
+    t81 = np.einsum('abcb->abc', t80)
+    t82 = np.swapaxes(t34, -1, -2)
+    t83 = t82 @ t34
+    t84 = np.ones((d_V,), dtype=X.dtype)
+    t85 = (2/(L*d_V*n_batch)) * t84
+    t86 = oe.contract('abc->bc', t83, optimize=[(0,)])
+    t81 += oe.contract('ab,c->acb', t86, t85, optimize=[(0, 1)])
     return H
 
 
@@ -4612,7 +4731,9 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -4643,38 +4764,38 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = Mcausal * T
-    t9 = X @ W_V
-    t10 = t8 @ t9
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(t9, -1, -2)
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = np.ones((d_K,), dtype=X.dtype)
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t19, t18, optimize=[(0, 1)])
-    t20 = t9 @ t13
-    t21 = X @ W_Q
-    t22 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t23 = oe.contract('abc,acd->bdac', t2, t21, optimize=[(0, 1)])
-    t24 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t22, t20, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t4 = np.swapaxes(W_V, -1, -2)
+    t5 = t4 @ t1
+    t6 = W_V @ t5
+    t7 = X @ t6
+    t8 = X @ W_Q
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = np.einsum('abcb->abc', t0)
+    t13 = t8 @ t3
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = Mcausal * T
+    t16 = np.swapaxes(t5, -1, -2)
+    t17 = t15 @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t5
+    t21 = Mcausal * t20
+    t22 = t21 @ X
+    t23 = np.ones((d_K,), dtype=X.dtype)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
+    t12 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4731,14 +4852,16 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
     t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t15, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t1, t15, G, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4787,7 +4910,9 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -4817,41 +4942,42 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_Q, -1, -2)
+    t3 = t2 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t3 = np.swapaxes(W_K, -1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = Mcausal * T
-    t9 = X @ W_V
-    t10 = t8 @ t9
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = W_V @ t13
-    t15 = X @ t14
-    t16 = np.swapaxes(Mcausal, -1, -2)
-    t17 = t15 * t16
-    t18 = t17 @ X
-    t19 = np.ones((d_K,), dtype=X.dtype)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_Q, -1, -2)
-    t23 = t22 @ t2
-    t24 = np.swapaxes(t9, -1, -2)
-    t25 = t9 @ t24
-    t26 = np.swapaxes(t4, -1, -2)
-    t27 = (2/(L*d_K*d_V*n_batch)) * t16
-    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t23, t27, t25, t16, t26, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t4 = np.swapaxes(Mcausal, -1, -2)
+    t5 = np.swapaxes(W_V, -1, -2)
+    t6 = t5 @ t1
+    t7 = W_V @ t6
+    t8 = X @ t7
+    t9 = X @ W_K
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t13 = np.einsum('abcb->abc', t0)
+    t14 = np.swapaxes(t6, -1, -2)
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = np.swapaxes(t9, -1, -2)
+    t17 = t15 @ t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    T = t18
+    t19 = Mcausal * T
+    t20 = t19 @ t14
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = t14 @ t23
+    t25 = t24 * t4
+    t26 = t25 @ X
+    t27 = np.ones((d_K,), dtype=X.dtype)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t29 = oe.contract('abc,acd->bd', t1, t26, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    t13 += oe.contract('ab,c->acb', t29, t28, optimize=[(0, 1)])
     return out
 
 
@@ -4967,10 +5093,12 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
     t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     t18 = t10 @ X
     t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t19, X, W_V, t18, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,cd,ace,ef->bfad', t1, t19, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, t18, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5029,7 +5157,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5082,7 +5211,6 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
     t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     t16 = Mcausal * T
     t17 = np.swapaxes(t11, -1, -2)
     t18 = t16 @ t17
@@ -5092,7 +5220,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t20
     t21 = np.swapaxes(G, -1, -2)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t21, t22, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace->bead', t1, t22, t12, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5152,19 +5283,21 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_Q
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t1, t9, t11, t13, t12, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
-    t14 = Mcausal * T
-    t15 = np.swapaxes(t11, -1, -2)
-    t16 = t14 @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t21 = oe.contract('abc,acd->bdac', t19, t12, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd,ade->bead', t1, t9, t12, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,dc,ace->bead', t11, t13, X, optimize=[(0, 1), (0, 1)])
+    t16 = Mcausal * T
+    t17 = np.swapaxes(t11, -1, -2)
+    t18 = t16 @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t23 = oe.contract('abc,acd->bdac', t21, t12, optimize=[(0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5228,7 +5361,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += oe.contract('abc,d->bdc', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5817,7 +5951,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
     t63 = (1/(L*n_batch)) * t53
-    t62[...] = oe.contract('abc,acd,acde,acf->bdfe', t63, t8, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd->bdac', t63, t28, optimize=[(0, 1)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
     return H
 
 
@@ -6205,7 +6341,9 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6674,7 +6812,9 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6744,41 +6884,50 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t3 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
-    t26 = t4 @ G
-    t27 = t8 @ X
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t25[...] = oe.contract('abc,ade->bdec', t28, t27, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = np.swapaxes(t21, -1, -2)
-    t31 += oe.contract('abc,d->bdc', t32, t23, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
-    t36 = t4 @ X
-    t37 = np.swapaxes(W_Q, -1, -2)
-    t38 = t37 @ t4
-    t39 = t38 @ G
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t35[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_V, d_V, d_K), copy=False)
-    t43 = np.swapaxes(t27, -1, -2)
-    t44 = np.swapaxes(t26, -1, -2)
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
-    t48 = np.swapaxes(t39, -1, -2)
-    t47[...] = oe.contract('abc,ade->bdce', t40, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t3 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
+    t27 = t4 @ G
+    t28 = t8 @ X
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t30 = oe.contract('abc->bca', t29, optimize=[(0,)])
+    t31 = oe.contract('abc->bca', t28, optimize=[(0,)])
+    t26[...] = oe.contract('abc,dec->adeb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.einsum('abcb->abc', t33)
+    t35 = np.swapaxes(t21, -1, -2)
+    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t34 += oe.contract('ab,c->acb', t36, t23, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37[...] = 0
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
+    t40 = t4 @ X
+    t41 = np.swapaxes(W_Q, -1, -2)
+    t42 = t41 @ t4
+    t43 = t42 @ G
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t45 = oe.contract('abc->bca', t43, optimize=[(0,)])
+    t46 = oe.contract('abc->bca', t44, optimize=[(0,)])
+    t39[...] = oe.contract('abc,dec->daeb', t45, t46, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
+    t49 = np.swapaxes(t28, -1, -2)
+    t50 = np.swapaxes(t27, -1, -2)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t52 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t53 = oe.contract('abc->bca', t50, optimize=[(0,)])
+    t48[...] = oe.contract('abc,dec->adeb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
+    t56 = np.swapaxes(t43, -1, -2)
+    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t55[...] = oe.contract('abc,dec->daeb', t57, t46, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58[...] = 0
     return H
 
 
@@ -6964,7 +7113,8 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7030,7 +7180,9 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = t1 @ G
     t16 = t5 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,ade->bdec', t17, t16, optimize=[(0, 1)])
+    t18 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7120,7 +7272,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bc', t20, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t23, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7209,7 +7362,9 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t4 @ G
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7296,7 +7451,9 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = t16 @ X
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t20 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7363,7 +7520,9 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = X @ W_Q
     t18 = t16 @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7452,28 +7611,27 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
     t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
     t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
-    t21 = np.einsum('abcb->abc', t20)
+    t21 = X @ W_Q
+    t22 = np.swapaxes(t5, -1, -2)
+    t23 = t22 @ X
+    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
+    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = np.einsum('abcb->abc', t20)
     F = t12
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t8 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(t5, -1, -2)
-    t28 = G @ t27
-    t29 = t28 @ X
-    t30 = np.ones((d_K,), dtype=X.dtype)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = oe.contract('abc,acd->bd', t2, t29, optimize=[(0, 1)])
-    t21 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
-    t33 = X @ W_Q
-    t34 = t27 @ X
-    t35 = oe.contract('abc,acd->bdac', t16, t33, optimize=[(0, 1)])
-    t36 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t27 = np.exp(F - F.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = t8 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = G @ t22
+    t33 = t32 @ X
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
     t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
     t39 = t4 @ X
@@ -7481,67 +7639,70 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t42 = oe.contract('abc,cd,aed,aedf->bfae', t39, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t43 = oe.contract('abc,acd->bdac', t41, t40, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t45 = oe.contract('abc,acd->bda', t44, G, optimize=[(0, 1)])
     t46 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
     t38 += oe.contract('abc,dec->adeb', t45, t46, optimize=[(0, 1)])
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47[...] = 0
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
-    t49 = np.einsum('abcb->abc', t48)
-    t50 = np.swapaxes(t34, -1, -2)
-    t51 = np.swapaxes(G, -1, -2)
-    t52 = oe.contract('abc,acd,ade->be', t50, t51, X, optimize=[(0, 1), (0, 1)])
-    t49 += oe.contract('ab,c->acb', t52, t31, optimize=[(0, 1)])
-    t53 = np.swapaxes(t33, -1, -2)
-    t54 = np.swapaxes(Y, -1, -2)
-    t55 = t54.sum(-2, keepdims=True)
-    t56 = np.broadcast_to(t55, t55.shape[:-2] + (d_V, t55.shape[-1]))
-    t57 = (1/(L*d_K*n_batch)) * t53
-    t58 = oe.contract('abc,acd,adce,aef->bfad', t50, t56, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t59 = oe.contract('abc,acd->bdac', t57, X, optimize=[(0, 1)])
-    t48 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t49 = np.swapaxes(t23, -1, -2)
+    t50 = np.swapaxes(t21, -1, -2)
+    t51 = np.swapaxes(Y, -1, -2)
+    t52 = t51.sum(-2, keepdims=True)
+    t53 = np.broadcast_to(t52, t52.shape[:-2] + (d_V, t52.shape[-1]))
+    t54 = (1/(L*d_K*n_batch)) * t50
+    t55 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
+    t57 = np.einsum('abcb->abc', t48)
+    t58 = np.swapaxes(G, -1, -2)
+    t59 = oe.contract('abc,acd,ade->be', t49, t58, X, optimize=[(0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 += oe.contract('ab,c->acb', t59, t35, optimize=[(0, 1)])
     t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
-    t62 = oe.contract('abc,acd->bdac', t57, t33, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd,adce,aef->bfad', t50, t56, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
     t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
     t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t65 = np.reshape(t64, (d_V, d_K, d_V, d_V), copy=False)
     t66 = t2 @ X
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t50
     t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
     t69 = oe.contract('abc->bca', t66, optimize=[(0,)])
-    t65[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
-    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t71 = oe.contract('abc,cd,ade,aedf->bfae', t66, W_V, t56, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t50
+    t71 = oe.contract('abc,cd,ade,aedf->bfae', t66, W_V, t53, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t72 = oe.contract('abc,acd->bdac', t70, t40, optimize=[(0, 1)])
+    t65[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
     t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
     t75 = np.swapaxes(t4, -1, -2)
-    t76 = t51 @ X
+    t76 = t58 @ X
     t77 = oe.contract('abc,acd->bda', t44, t75, optimize=[(0, 1)])
     t78 = oe.contract('abc->bca', t76, optimize=[(0,)])
-    t74[...] = oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
     t79 = np.swapaxes(T, -1, -2)
     t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
     t81 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
     t82 = oe.contract('abc,acd,ade->bead', t2, t80, X, optimize=[(0, 1), (0, 1)])
+    t74[...] = oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
     t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
-    t85 = t51 @ t33
-    t84[...] = oe.contract('abc,acd,aef->bedf', t44, X, t85, optimize=[(0, 1), (0, 1)])
-    t86 = oe.contract('abc,acd,ade->bead', t2, t80, t33, optimize=[(0, 1), (0, 1)])
-    t87 = oe.contract('abc,abcd,ade->ceab', t8, dA, t34, optimize=[(0, 1), (0, 1)])
-    t84 += oe.contract('abcd,efcd->aefb', t86, t87, optimize=[(0, 1)])
-    t88 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t89 = np.reshape(t88, (d_V, d_V, d_V, d_V), copy=False)
-    t90 = np.swapaxes(t40, -1, -2)
-    t91 = (1/(L*n_batch)) * t90
-    t89[...] = oe.contract('abc,acd,acde,acf->bdfe', t91, t8, dA, t40, optimize=[(1, 2), (0, 1), (0, 1)])
+    t85 = t58 @ t21
+    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
+    t87 = oe.contract('abc,acd->bda', t44, X, optimize=[(0, 1)])
+    t88 = oe.contract('abc,acd,ade->bead', t2, t80, t21, optimize=[(0, 1), (0, 1)])
+    t89 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
+    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
+    t84 += oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
+    t90 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t91 = np.reshape(t90, (d_V, d_V, d_V, d_V), copy=False)
+    t92 = np.swapaxes(t40, -1, -2)
+    t93 = (1/(L*n_batch)) * t92
+    t94 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
+    t95 = oe.contract('abc,acd->bdac', t93, t40, optimize=[(0, 1)])
+    t91[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
     return H
 
 
@@ -7818,46 +7979,45 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
-    t3 = Y.sum(-1, keepdims=True)
-    t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = np.exp(F - F.max(-1, keepdims=True))
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = X @ W_V
+    t5 = t3 @ t4
+    t6 = Y.sum(-1, keepdims=True)
+    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+    t8 = W_Q @ t3
+    t9 = X @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = T @ t4
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
-    t13 = t4 * A
-    t14 = t13 - Y
-    t15 = (1/L) * t14
-    G = t15
-    t16 = np.swapaxes(t10, -1, -2)
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = np.ones((d_K,), dtype=X.dtype)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
-    t22 = t6 @ t10
-    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.eye(d_V, dtype=X.dtype)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
-    t26 = X @ W_Q
-    t27 = t16 @ X
-    t28 = (1/(L*d_K*n_batch)) * t2
-    t29 = oe.contract('abc,acd->bdac', t28, t26, optimize=[(0, 1)])
-    t30 = oe.contract('abc,adc,adce,aef->bfad', t22, t4, dA, t27, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = X @ W_Q
+    t15 = np.swapaxes(t4, -1, -2)
+    t16 = t15 @ X
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = np.einsum('abcb->abc', t0)
+    F = t11
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t7 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = G @ t15
+    t27 = t26 @ X
+    t28 = np.ones((d_K,), dtype=X.dtype)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
     return out
 
 
@@ -7930,7 +8090,6 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t16 = oe.contract('abc,cd,aed,aedf->bfae', t4, W_V, t6, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     F = t11
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
@@ -7941,6 +8100,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t24 = oe.contract('abc,acd->bda', t23, G, optimize=[(0, 1)])
     t25 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t24, t25, optimize=[(0, 1)])
     return out
 
@@ -8011,7 +8171,9 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8052,50 +8214,49 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
-    t3 = X @ W_V
-    t4 = t2 @ t3
-    t5 = Y.sum(-1, keepdims=True)
-    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(W_K, -1, -2)
-    t8 = t7 @ t2
-    t9 = W_Q @ t8
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    T = t11
-    t12 = T @ t3
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A = t13 / t13.sum(-1, keepdims=True)
-    t14 = t6 * A
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = np.ones((d_K,), dtype=X.dtype)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc,acd,ade->be', t4, t17, X, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
-    t21 = np.swapaxes(W_Q, -1, -2)
-    t22 = t21 @ t2
-    t23 = np.swapaxes(Y, -1, -2)
-    t24 = t23.sum(-2, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
-    t26 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = np.eye(d_V, dtype=X.dtype)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = X @ W_V
+    t3 = t1 @ t2
+    t4 = np.swapaxes(W_Q, -1, -2)
+    t5 = t4 @ t1
+    t6 = np.swapaxes(Y, -1, -2)
+    t7 = t6.sum(-2, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
+    t9 = np.swapaxes(t5, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    T = t13
+    t14 = T @ t2
+    t15 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A = t15 / t15.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = np.swapaxes(t3, -1, -2)
-    t30 = np.swapaxes(t8, -1, -2)
-    t31 = t29 @ t30
-    t32 = (1/(L*d_K*n_batch)) * t22
-    t33 = oe.contract('abc,acd,adce,aef->bfad', t4, t25, dA, t31, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = np.swapaxes(t2, -1, -2)
+    t18 = np.swapaxes(t11, -1, -2)
+    t19 = t17 @ t18
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t23 = np.einsum('abcb->abc', t0)
+    t24 = Y.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    F = t14
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t25 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = np.ones((d_K,), dtype=X.dtype)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = oe.contract('abc,acd,ade->be', t3, t31, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('ab,c->acb', t34, t33, optimize=[(0, 1)])
     return out
 
 
@@ -8243,7 +8404,6 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t19 = oe.contract('abc,acd->bda', t18, G, optimize=[(0, 1)])
     t20 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
     t21 = np.swapaxes(Y, -1, -2)
     t22 = t21.sum(-2, keepdims=True)
     t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
@@ -8256,6 +8416,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t29 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t23, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t30 = oe.contract('abc,acd->bdac', t28, t27, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -8392,7 +8553,6 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = oe.contract('abc,acd->bda', t17, t2, optimize=[(0, 1)])
     t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     t20 = np.swapaxes(T, -1, -2)
     t21 = np.exp(t10 - t10.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
@@ -8404,6 +8564,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
     t27 = oe.contract('abc,abcd,ade->ceab', t4, dA, t25, optimize=[(0, 1), (0, 1)])
     t28 = oe.contract('abc,acd,ade->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
@@ -8477,19 +8638,21 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = X @ W_Q
     t17 = t15 @ t16
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t18, X, t17, optimize=[(0, 1), (0, 1)])
-    t19 = np.swapaxes(T, -1, -2)
-    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.eye(d_V, dtype=X.dtype)
+    t19 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t20 = oe.contract('abc,acd->bda', t18, X, optimize=[(0, 1)])
+    t21 = np.swapaxes(T, -1, -2)
+    t22 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t23 = np.swapaxes(t9, -1, -2)
-    t24 = t23 @ X
-    t25 = (1/(L*math.sqrt(d_K)*n_batch)) * t19
-    t26 = oe.contract('abc,acd,ade->bead', t1, t25, t16, optimize=[(0, 1), (0, 1)])
-    t27 = oe.contract('abc,abcd,ade->ceab', t3, dA, t24, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t25 = np.swapaxes(t9, -1, -2)
+    t26 = t25 @ X
+    t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
+    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t16, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8560,7 +8723,9 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -9123,7 +9288,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t55 = np.reshape(t54, (d_V, d_V, d_V, d_V), copy=False)
     t56 = (1/(L*n_batch)) * t49
-    t55[...] = oe.contract('abc,acd,acde,acf->bdfe', t56, t7, dA, t27, optimize=[(1, 2), (0, 1), (0, 1)])
+    t57 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
+    t58 = oe.contract('abc,acd->bdac', t56, t27, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
     return H
 
 
@@ -9529,7 +9696,9 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10027,7 +10196,9 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10103,40 +10274,46 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t3 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t27[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t28, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = np.swapaxes(t23, -1, -2)
-    t31 += oe.contract('abc,d->bdc', t32, t25, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
-    t36 = np.swapaxes(W_Q, -1, -2)
-    t37 = t36 @ t4
-    t38 = np.swapaxes(Mcausal, -1, -2)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
-    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
-    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
-    t44 = np.swapaxes(G, -1, -2)
-    t45 = np.swapaxes(t8, -1, -2)
-    t43[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t44, t39, t45, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t3 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t30 = oe.contract('abc,cd,ace->bead', t4, t29, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.einsum('abcb->abc', t33)
+    t35 = np.swapaxes(t23, -1, -2)
+    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t34 += oe.contract('ab,c->acb', t36, t25, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37[...] = 0
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
+    t40 = np.swapaxes(W_Q, -1, -2)
+    t41 = t40 @ t4
+    t42 = np.swapaxes(Mcausal, -1, -2)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t44 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
+    t45 = oe.contract('abc,cd,ace->bead', t4, t43, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
-    t48 = np.swapaxes(t37, -1, -2)
-    t49 = oe.contract('abc,acd->bdac', t44, t48, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->eafb', t49, t41, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t48 = np.swapaxes(G, -1, -2)
+    t49 = np.swapaxes(t8, -1, -2)
+    t50 = oe.contract('abc,cd,ace->bead', t4, t43, t49, optimize=[(0, 1), (0, 1)])
+    t51 = oe.contract('abc,acd->bdac', t48, X, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = np.swapaxes(t41, -1, -2)
+    t55 = oe.contract('abc,acd->bdac', t48, t54, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t45, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -10333,7 +10510,8 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10402,7 +10580,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t16, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t16, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -10496,7 +10676,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10682,7 +10863,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(Mcausal, -1, -2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t16, t19, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,cd,ace->bead', t1, t19, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10846,85 +11029,91 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t19 = oe.contract('abc->cab', X, optimize=[(0,)])
     t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
     t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
     t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = np.einsum('abcb->abc', t21)
+    t22 = X @ W_Q
+    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
+    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t25 = np.einsum('abcb->abc', t21)
     F = t12
-    t23 = np.exp(F - F.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t7 * A24
-    t26 = t25 - Y
-    t27 = (1/L) * t26
-    G = t27
-    t28 = G @ t15
-    t29 = Mcausal * t28
-    t30 = t29 @ X
-    t31 = np.ones((d_K,), dtype=X.dtype)
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t33 = oe.contract('abc,acd->bd', t2, t30, optimize=[(0, 1)])
-    t22 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
-    t34 = X @ W_Q
-    t35 = oe.contract('abc->cab', t34, optimize=[(0,)])
-    t36 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t21 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t7 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G @ t15
+    t32 = Mcausal * t31
+    t33 = t32 @ X
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
+    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
     t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
     t39 = t11 @ X
     t40 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t41 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t40, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
     t42 = oe.contract('abc->cab', t39, optimize=[(0,)])
-    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
     t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t38 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t43, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    t46 = np.einsum('abcb->abc', t45)
-    t47 = np.swapaxes(t28, -1, -2)
-    t48 = np.swapaxes(Mcausal, -1, -2)
-    t49 = t47 * t48
-    t50 = oe.contract('abc,acd,ade->be', t2, t49, X, optimize=[(0, 1), (0, 1)])
-    t46 += oe.contract('ab,c->acb', t50, t32, optimize=[(0, 1)])
-    t51 = np.swapaxes(t34, -1, -2)
-    t52 = np.swapaxes(Y, -1, -2)
-    t53 = t52.sum(-2, keepdims=True)
-    t54 = np.broadcast_to(t53, t53.shape[:-2] + (d_V, t53.shape[-1]))
-    t55 = (1/(L*d_K*n_batch)) * t48
-    t56 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t51, t55, t5, t54, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t45 += oe.contract('abcde,fde->abfc', t56, t19, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = np.reshape(t57, (d_V, d_K, d_V, d_K), copy=False)
-    t59 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t51, t55, t5, t54, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t58[...] = oe.contract('abc,defbc->defa', t35, t59, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t63 = oe.contract('abc,acd->bdac', t51, G, optimize=[(0, 1)])
-    t64 = oe.contract('abc,cd,ace->bead', t2, t62, X, optimize=[(0, 1), (0, 1)])
-    t61[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
-    t66 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t65, X, W_V, t54, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t67 = oe.contract('abc,acd->bdac', t51, t39, optimize=[(0, 1)])
-    t61 += oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
-    t70 = np.swapaxes(T, -1, -2)
-    t71 = t48 * t70
-    t72 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t73 = oe.contract('abc,acd,ade->bead', t2, t71, X, optimize=[(0, 1), (0, 1)])
-    t69[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
-    t74 = np.swapaxes(G, -1, -2)
-    t69 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t74, t62, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
-    t76[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t71, t7, dA, t15, t40, t34, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
-    t77 = oe.contract('abc,acd->bdac', t74, t34, optimize=[(0, 1)])
-    t76 += oe.contract('abcd,efcd->eafb', t77, t64, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t79 = np.reshape(t78, (d_V, d_V, d_V, d_V), copy=False)
-    t80 = np.swapaxes(t39, -1, -2)
-    t81 = (1/(L*n_batch)) * t80
-    t79[...] = oe.contract('abc,acd,acde,acf->bdfe', t81, t7, dA, t39, optimize=[(1, 2), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,cd,ace->bead', t2, t43, G, optimize=[(0, 1), (0, 1)])
+    t45 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t38 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t48 = np.swapaxes(t22, -1, -2)
+    t49 = np.swapaxes(Mcausal, -1, -2)
+    t50 = np.swapaxes(Y, -1, -2)
+    t51 = t50.sum(-2, keepdims=True)
+    t52 = np.broadcast_to(t51, t51.shape[:-2] + (d_V, t51.shape[-1]))
+    t53 = (1/(L*d_K*n_batch)) * t49
+    t54 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t55 = np.einsum('abcb->abc', t47)
+    t56 = np.swapaxes(t31, -1, -2)
+    t57 = t56 * t49
+    t58 = oe.contract('abc,acd,ade->be', t2, t57, X, optimize=[(0, 1), (0, 1)])
+    t47[...] = oe.contract('abcde,fde->abfc', t54, t19, optimize=[(0, 1)])
+    t55 += oe.contract('ab,c->acb', t58, t35, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
+    t61 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t60[...] = oe.contract('abc,defbc->defa', t23, t61, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t65 = oe.contract('abc,acd->bdac', t48, G, optimize=[(0, 1)])
+    t66 = oe.contract('abc,cd,ace->bead', t2, t64, X, optimize=[(0, 1), (0, 1)])
+    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
+    t68 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t67, X, W_V, t52, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t48, t39, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
+    t72 = np.swapaxes(T, -1, -2)
+    t73 = t49 * t72
+    t74 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t75 = oe.contract('abc,acd,ade->bead', t2, t73, X, optimize=[(0, 1), (0, 1)])
+    t76 = np.swapaxes(G, -1, -2)
+    t77 = oe.contract('abc,cd,ace->bead', t2, t64, t16, optimize=[(0, 1), (0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t71 += oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t80 = np.reshape(t79, (d_V, d_V, d_V, d_K), copy=False)
+    t81 = oe.contract('abc,acd,ade->bead', t2, t73, t22, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t83 = oe.contract('abc,acd->bdac', t76, t22, optimize=[(0, 1)])
+    t80[...] = oe.contract('abcd,efcd->aefb', t81, t82, optimize=[(0, 1)])
+    t80 += oe.contract('abcd,efcd->eafb', t83, t66, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85 = np.reshape(t84, (d_V, d_V, d_V, d_V), copy=False)
+    t86 = np.swapaxes(t39, -1, -2)
+    t87 = (1/(L*n_batch)) * t86
+    t88 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
+    t89 = oe.contract('abc,acd->bdac', t87, t39, optimize=[(0, 1)])
+    t85[...] = oe.contract('abcd,efcd->eafb', t88, t89, optimize=[(0, 1)])
     return H
 
 
@@ -11219,47 +11408,46 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t3 = Y.sum(-1, keepdims=True)
-    t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
+    t4 = X @ W_V
+    t5 = Y.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = W_Q @ t3
     t8 = X @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
-    t11 = X @ W_V
-    t12 = t10 @ t11
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A = t13 / t13.sum(-1, keepdims=True)
-    t14 = t4 * A
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = np.swapaxes(t11, -1, -2)
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = np.ones((d_K,), dtype=X.dtype)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
-    t1 += oe.contract('ab,c->acb', t23, t22, optimize=[(0, 1)])
-    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = np.eye(d_V, dtype=X.dtype)
+    t11 = t10 @ t4
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A = t12 / t12.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
-    t27 = X @ W_Q
-    t28 = (1/(L*d_K*n_batch)) * Mcausal
-    t29 = oe.contract('abc->cab', t27, optimize=[(0,)])
-    t30 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t28, t11, t4, dA, t17, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = np.swapaxes(t4, -1, -2)
+    t15 = X @ W_Q
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = np.einsum('abcb->abc', t0)
+    F = t11
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t6 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = G @ t14
+    t26 = Mcausal * t25
+    t27 = t26 @ X
+    t28 = np.ones((d_K,), dtype=X.dtype)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t19 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
     return out
 
 
@@ -11334,7 +11522,6 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t16 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t1, t3, t15, X, W_V, t5, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
     t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     F = t11
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
@@ -11343,7 +11530,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t22 = (1/L) * t21
     G = t22
     t23 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t23, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t23, G, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11416,7 +11606,9 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11459,54 +11651,52 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_K*d_V, d_K*d_V), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_V, d_K, d_V, d_K), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(X, -1, -2)
-    t3 = Y.sum(-1, keepdims=True)
-    t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_Q, -1, -2)
+    t3 = t2 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t5 = np.swapaxes(W_K, -1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = Mcausal * T
-    t11 = X @ W_V
-    t12 = t10 @ t11
-    F = t12
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A = t13 / t13.sum(-1, keepdims=True)
-    t14 = t4 * A
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = W_V @ t17
-    t19 = X @ t18
-    t20 = np.swapaxes(Mcausal, -1, -2)
-    t21 = t19 * t20
-    t22 = np.ones((d_K,), dtype=X.dtype)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = oe.contract('abc,acd,ade->be', t2, t21, X, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_Q, -1, -2)
-    t26 = t25 @ t2
-    t27 = np.swapaxes(Y, -1, -2)
-    t28 = t27.sum(-2, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-2] + (d_V, t28.shape[-1]))
-    t30 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A31 = t30 / t30.sum(-1, keepdims=True)
-    t32 = np.eye(d_V, dtype=X.dtype)
+    t4 = np.swapaxes(Mcausal, -1, -2)
+    t5 = X @ W_V
+    t6 = np.swapaxes(Y, -1, -2)
+    t7 = t6.sum(-2, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-2] + (d_V, t7.shape[-1]))
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = np.swapaxes(W_K, -1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    T = t13
+    t14 = Mcausal * T
+    t15 = t14 @ t5
+    t16 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A = t16 / t16.sum(-1, keepdims=True)
+    t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A31, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A31, A31, optimize=[(0, 1)])
-    t33 = np.swapaxes(t11, -1, -2)
-    t34 = np.swapaxes(t6, -1, -2)
-    t35 = (1/(L*d_K*n_batch)) * t20
-    t36 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t26, t35, t11, t29, dA, t33, Mcausal, t34, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t37 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0 += oe.contract('abcde,fde->abfc', t36, t37, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t23 = np.einsum('abcb->abc', t0)
+    t24 = Y.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    F = t15
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t25 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = t5 @ t31
+    t33 = t32 * t4
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd,ade->be', t1, t33, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
     return out
 
 
@@ -11664,7 +11854,6 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
     t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = np.swapaxes(Y, -1, -2)
     t23 = t22.sum(-2, keepdims=True)
     t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
@@ -11677,6 +11866,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t30 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t29, X, W_V, t24, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
     t31 = oe.contract('abc,acd->bdac', t3, t28, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
@@ -11824,7 +12014,6 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t20 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     t21 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     F = t14
     t22 = np.exp(F - F.max(-1, keepdims=True))
     A23 = t22 / t22.sum(-1, keepdims=True)
@@ -11834,7 +12023,10 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t26
     t27 = np.swapaxes(G, -1, -2)
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t27, t28, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = oe.contract('abc,cd,ace->bead', t1, t28, t18, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11912,19 +12104,21 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(t13, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t17, t19, t18, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd,ade->bead', t1, t9, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     F = t14
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t27 = oe.contract('abc,acd->bdac', t25, t18, optimize=[(0, 1)])
-    t28 = oe.contract('abc,cd,ace->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t29 = oe.contract('abc,acd->bdac', t27, t18, optimize=[(0, 1)])
+    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -12000,7 +12194,9 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 

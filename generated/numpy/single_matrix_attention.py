@@ -89,29 +89,32 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t11 = np.reshape(t10, (d_V, d_V, d_V, d_V), copy=False)
-    t12 = A @ X
-    M_1 = t12
-    t13 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t14 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t11[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
-    t15 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t16 = np.reshape(t15, (d_V, d_V, d_V, d_V), copy=False)
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = (2/(L*d_V*n_batch)) * t17
-    t19 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t16[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
-    t21 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t21[...] = 0
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t23 = np.einsum('abcb->abc', t22)
-    t24 = t17 @ M_1
-    t25 = np.ones((d_V,), dtype=X.dtype)
-    t26 = (2/(L*d_V*n_batch)) * t25
-    t23 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
+    t10 = oe.contract('abcd,ce,abef->dfab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc,abd->cdab', t9, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t12 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t13 = np.reshape(t12, (d_V, d_V, d_V, d_V), copy=False)
+    t14 = A @ X
+    M_1 = t14
+    t15 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t16 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t13[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = (2/(L*d_V*n_batch)) * t19
+    t21 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t18[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t23[...] = 0
+    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
+    t25 = np.einsum('abcb->abc', t24)
+    t26 = t19 @ M_1
+    t27 = np.ones((d_V,), dtype=X.dtype)
+    t28 = (2/(L*d_V*n_batch)) * t27
+    t29 = oe.contract('abc->bc', t26, optimize=[(0,)])
+    t25 += oe.contract('ab,c->acb', t29, t28, optimize=[(0, 1)])
     return H
 
 
@@ -244,7 +247,9 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = W_V @ t6
     t8 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = oe.contract('abcd,ce,abef->dfab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
+    t10 = oe.contract('abc,abd->cdab', t8, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -336,7 +341,8 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
+    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -429,7 +435,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
+    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
 
@@ -483,24 +490,28 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t16 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
+    t17 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * X
-    t20 = oe.contract('abc,abd->cdab', t19, G, optimize=[(0, 1)])
-    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t18[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = (1/n_batch) * t24
-    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
-    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t26[...] = 0
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = (1/n_batch) * t26
+    t28 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t30[...] = 0
     return H
 
 
@@ -615,7 +626,9 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t15 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
+    t16 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -679,7 +692,9 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t15 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
+    t16 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -817,7 +832,9 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     t11 = (1/n_batch) * t9
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
+    t12 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -888,51 +905,63 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = t7 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t10 = oe.contract('abcd,ce,abef->dfab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc,abd->cdab', t9, X, optimize=[(0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t7 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t21 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t22 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = (1/n_batch) * X
-    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t20 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
-    t28 = np.swapaxes(M_1, -1, -2)
-    t29 = (2/(L*d_V*n_batch)) * t28
-    t30 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
-    t27[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
-    t32 = np.swapaxes(G, -1, -2)
-    t33 = (1/n_batch) * t32
-    t27 += oe.contract('abc,acde,acf->dbfe', t33, M_2, X, optimize=[(0, 2), (0, 1)])
-    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t37 = t28 @ M_1
-    t38 = np.ones((d_V,), dtype=X.dtype)
+    t20 = (1/n_batch) * t2
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t23 = np.reshape(t10, t10.shape[:2] + (-1,))
+    t24 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t25 = np.concatenate([t23, t24], axis=-1)
+    t26 = np.reshape(t11, t11.shape[:2] + (-1,))
+    t27 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t28 = np.concatenate([t26, t27], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t25, t28, optimize=[(0, 1)])
+    t29 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
+    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t32 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t33 = (1/n_batch) * X
+    t34 = oe.contract('abc,abd->cdab', t33, G, optimize=[(0, 1)])
+    t35 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t30[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
+    t38 = np.swapaxes(M_1, -1, -2)
     t39 = (2/(L*d_V*n_batch)) * t38
-    t36 += oe.contract('abc,d->bdc', t37, t39, optimize=[(0, 1)])
+    t40 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
+    t42 = np.swapaxes(G, -1, -2)
+    t43 = (1/n_batch) * t42
+    t44 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
+    t37[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t46[...] = 0
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_V), copy=False)
+    t48 = np.einsum('abcb->abc', t47)
+    t49 = t38 @ M_1
+    t50 = np.ones((d_V,), dtype=X.dtype)
+    t51 = (2/(L*d_V*n_batch)) * t50
+    t52 = oe.contract('abc->bc', t49, optimize=[(0,)])
+    t48 += oe.contract('ab,c->acb', t52, t51, optimize=[(0, 1)])
     return H
 
 
@@ -1052,7 +1081,6 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
     t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -1069,7 +1097,10 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t19 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t21 = oe.contract('abc,acb->bac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1128,24 +1159,33 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = W_V @ t6
     t8 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t6 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    t9 = oe.contract('abcd,ce,abef->dfab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
+    t10 = oe.contract('abc,abd->cdab', t8, X, optimize=[(0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t6 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t20 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t22 = np.reshape(t9, t9.shape[:2] + (-1,))
+    t23 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t24 = np.concatenate([t22, t23], axis=-1)
+    t25 = np.reshape(t10, t10.shape[:2] + (-1,))
+    t26 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t27 = np.concatenate([t25, t26], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t24, t27, optimize=[(0, 1)])
     return out
 
 
@@ -1208,7 +1248,6 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t7 = (2/(L*d_V*n_batch)) * X
     t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
     t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
     t10 = M_1 @ W_V
     F = t10
     t11 = F - Y
@@ -1217,6 +1256,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t13 = (1/n_batch) * X
     t14 = oe.contract('abc,abd->cdab', t13, G, optimize=[(0, 1)])
     t15 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -1266,7 +1306,8 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
+    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1311,7 +1352,6 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = (2/(L*d_V*n_batch)) * t6
     t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
     t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t12 = M_1 @ W_V
     F = t12
     t13 = F - Y
@@ -1319,7 +1359,10 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     G = t14
     t15 = np.swapaxes(G, -1, -2)
     t16 = (1/n_batch) * t15
-    t0 += oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1373,7 +1416,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
+    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1680,29 +1724,32 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t11, t10, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t12 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t13 = np.reshape(t12, (d_V, d_V, d_V, d_V), copy=False)
-    t14 = A @ X
-    M_1 = t14
-    t15 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t13[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = (2/(L*d_V*n_batch)) * t19
-    t21 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t18[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.einsum('abcb->abc', t24)
-    t26 = t19 @ M_1
-    t27 = np.ones((d_V,), dtype=X.dtype)
-    t28 = (2/(L*d_V*n_batch)) * t27
-    t25 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t12 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t11, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
+    t16 = A @ X
+    M_1 = t16
+    t17 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t23 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t25[...] = 0
+    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
+    t27 = np.einsum('abcb->abc', t26)
+    t28 = t21 @ M_1
+    t29 = np.ones((d_V,), dtype=X.dtype)
+    t30 = (2/(L*d_V*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t27 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
     return H
 
 
@@ -1845,7 +1892,9 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abcd,ce,abef->dfab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abd->cdab', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1945,7 +1994,8 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
+    t12 = oe.contract('abb->b', t9, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2046,7 +2096,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t1 += oe.contract('abc,d->bdc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t13, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2104,24 +2155,28 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t18 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    t19 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * X
-    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = (1/n_batch) * t26
-    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28[...] = 0
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    t28 = np.swapaxes(G, -1, -2)
+    t29 = (1/n_batch) * t28
+    t30 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
+    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32[...] = 0
     return H
 
 
@@ -2242,7 +2297,9 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t17 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    t18 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2310,7 +2367,9 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t17 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2456,7 +2515,9 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     t13 = (1/n_batch) * t11
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
+    t14 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t15 = oe.contract('abc,acd->bdac', t13, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2531,51 +2592,63 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t11, t10, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = t9 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
+    t12 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t11, X, optimize=[(0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t9 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t23 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t24 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t22[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
-    t25 = (1/n_batch) * X
-    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
-    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t22 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
-    t30 = np.swapaxes(M_1, -1, -2)
-    t31 = (2/(L*d_V*n_batch)) * t30
-    t32 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
-    t34 = np.swapaxes(G, -1, -2)
-    t35 = (1/n_batch) * t34
-    t29 += oe.contract('abc,acde,acf->dbfe', t35, M_2, X, optimize=[(0, 2), (0, 1)])
-    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t36[...] = 0
-    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
-    t38 = np.einsum('abcb->abc', t37)
-    t39 = t30 @ M_1
-    t40 = np.ones((d_V,), dtype=X.dtype)
+    t22 = (1/n_batch) * t2
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
+    t25 = np.reshape(t12, t12.shape[:2] + (-1,))
+    t26 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t27 = np.concatenate([t25, t26], axis=-1)
+    t28 = np.reshape(t13, t13.shape[:2] + (-1,))
+    t29 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t30 = np.concatenate([t28, t29], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
+    t31 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
+    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t35 = (1/n_batch) * X
+    t36 = oe.contract('abc,abd->cdab', t35, G, optimize=[(0, 1)])
+    t37 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t32 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t39 = np.reshape(t38, (d_V, d_V, d_V, d_V), copy=False)
+    t40 = np.swapaxes(M_1, -1, -2)
     t41 = (2/(L*d_V*n_batch)) * t40
-    t38 += oe.contract('abc,d->bdc', t39, t41, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
+    t44 = np.swapaxes(G, -1, -2)
+    t45 = (1/n_batch) * t44
+    t46 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t47 = oe.contract('abc,acd->bdac', t45, X, optimize=[(0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t39 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t48[...] = 0
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_V), copy=False)
+    t50 = np.einsum('abcb->abc', t49)
+    t51 = t40 @ M_1
+    t52 = np.ones((d_V,), dtype=X.dtype)
+    t53 = (2/(L*d_V*n_batch)) * t52
+    t54 = oe.contract('abc->bc', t51, optimize=[(0,)])
+    t50 += oe.contract('ab,c->acb', t54, t53, optimize=[(0, 1)])
     return H
 
 
@@ -2701,7 +2774,6 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
     t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
@@ -2718,7 +2790,10 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t23 = oe.contract('abc,acb->bac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2781,24 +2856,33 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = t8 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    t11 = oe.contract('abcd,ce,abef->dfab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abd->cdab', t10, X, optimize=[(0, 1)])
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t8 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = (1/n_batch) * t1
+    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t24 = np.reshape(t11, t11.shape[:2] + (-1,))
+    t25 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t26 = np.concatenate([t24, t25], axis=-1)
+    t27 = np.reshape(t12, t12.shape[:2] + (-1,))
+    t28 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t29 = np.concatenate([t27, t28], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t26, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2865,7 +2949,6 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
     t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t12 = M_1 @ W_V
     F = t12
     t13 = F - Y
@@ -2874,6 +2957,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t15 = (1/n_batch) * X
     t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
     t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -2927,7 +3011,8 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
+    t12 = oe.contract('abb->b', t9, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2976,7 +3061,6 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t11 = (2/(L*d_V*n_batch)) * t8
     t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
     t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     t14 = M_1 @ W_V
     F = t14
     t15 = F - Y
@@ -2984,7 +3068,10 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     G = t16
     t17 = np.swapaxes(G, -1, -2)
     t18 = (1/n_batch) * t17
-    t0 += oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -3042,7 +3129,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t1 += oe.contract('abc,d->bdc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t1 += oe.contract('ab,c->acb', t13, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3381,17 +3469,21 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     t19 = H[0:d_V**2, d_V**2:2*d_V**2]
     t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t20[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t8, dA14, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t23 = np.swapaxes(M_1, -1, -2)
-    t24 = (1/(L*n_batch)) * t23
-    t25 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
-    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
-    t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
-    t28[...] = oe.contract('abc,acd,acde,acf->bdfe', t24, t8, dA14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t8, dA14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
+    t25 = np.swapaxes(M_1, -1, -2)
+    t26 = (1/(L*n_batch)) * t25
+    t27 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
+    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
+    t31 = oe.contract('abc,abcd->cdab', t8, dA14, optimize=[(0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t26, M_1, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return H
 
 
@@ -3631,7 +3723,9 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
     t14 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t14, W_V, t7, dA13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t7, dA13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', t14, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3811,7 +3905,9 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
     t13 = (1/(L*n_batch)) * t6
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t13, t8, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3877,24 +3973,28 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
-    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/n_batch) * X
-    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t23[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
-    t29 = np.swapaxes(G, -1, -2)
-    t30 = (1/n_batch) * t29
-    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t31[...] = 0
+    t26 = (1/n_batch) * X
+    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = (1/n_batch) * t31
+    t33 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t35[...] = 0
     return H
 
 
@@ -4024,7 +4124,9 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t20 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4098,7 +4200,9 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t20 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4256,7 +4360,9 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     t16 = (1/n_batch) * t14
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4343,7 +4449,6 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t16 = (1/(L*n_batch)) * X
     t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     F = t10
     t19 = np.exp(F - F.max(-1, keepdims=True))
     A20 = t19 / t19.sum(-1, keepdims=True)
@@ -4360,27 +4465,41 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t28 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
-    t29 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t30[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t8, dA14, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = (1/n_batch) * X
-    t32 = oe.contract('abc,abd->cdab', t31, G, optimize=[(0, 1)])
-    t33 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t30 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
-    t36 = np.swapaxes(G, -1, -2)
-    t37 = (1/n_batch) * t36
-    t35[...] = oe.contract('abc,acde,acf->dbfe', t37, M_2, X, optimize=[(0, 2), (0, 1)])
-    t38 = np.swapaxes(M_1, -1, -2)
-    t39 = (1/(L*n_batch)) * t38
-    t40 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
-    t35 += oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_V), copy=False)
-    t43[...] = oe.contract('abc,acd,acde,acf->bdfe', t39, t8, dA14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t31 = np.reshape(t17, t17.shape[:2] + (-1,))
+    t32 = np.reshape(t29, t29.shape[:2] + (-1,))
+    t33 = np.concatenate([t31, t32], axis=-1)
+    t34 = np.reshape(t18, t18.shape[:2] + (-1,))
+    t35 = np.reshape(t30, t30.shape[:2] + (-1,))
+    t36 = np.concatenate([t34, t35], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t33, t36, optimize=[(0, 1)])
+    t37 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t38 = np.reshape(t37, (d_V, d_V, d_V, d_V), copy=False)
+    t39 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t8, dA14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
+    t41 = (1/n_batch) * X
+    t42 = oe.contract('abc,abd->cdab', t41, G, optimize=[(0, 1)])
+    t43 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
+    t38 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
+    t46 = np.swapaxes(G, -1, -2)
+    t47 = (1/n_batch) * t46
+    t48 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t49 = oe.contract('abc,acd->bdac', t47, X, optimize=[(0, 1)])
+    t50 = np.swapaxes(M_1, -1, -2)
+    t51 = (1/(L*n_batch)) * t50
+    t52 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abc,acd->bdac', t51, X, optimize=[(0, 1)])
+    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t45 += oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_V), copy=False)
+    t56 = oe.contract('abc,abcd->cdab', t8, dA14, optimize=[(0, 1)])
+    t57 = oe.contract('abc,acd->bdac', t51, M_1, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
     return H
 
 
@@ -4527,7 +4646,6 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t15 = (1/(L*n_batch)) * X
     t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     F = t9
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
@@ -4544,7 +4662,10 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t27 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t27, M_3, X, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t29 = oe.contract('abc,acb->bac', t27, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -4623,7 +4744,6 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t15 = (1/(L*n_batch)) * X
     t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     F = t9
     t18 = np.exp(F - F.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
@@ -4640,7 +4760,15 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t27 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
+    t30 = np.reshape(t16, t16.shape[:2] + (-1,))
+    t31 = np.reshape(t28, t28.shape[:2] + (-1,))
+    t32 = np.concatenate([t30, t31], axis=-1)
+    t33 = np.reshape(t17, t17.shape[:2] + (-1,))
+    t34 = np.reshape(t29, t29.shape[:2] + (-1,))
+    t35 = np.concatenate([t33, t34], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t32, t35, optimize=[(0, 1)])
     return out
 
 
@@ -4718,18 +4846,20 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
     t14 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t14, W_V, t7, dA13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t7, dA13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', t14, M_1, optimize=[(0, 1)])
     F = t9
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t7 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = (1/n_batch) * X
-    t21 = oe.contract('abc,abd->cdab', t20, G, optimize=[(0, 1)])
-    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t7 * A18
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (1/n_batch) * X
+    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
+    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4855,18 +4985,20 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     t16 = (1/n_batch) * t14
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = np.eye(d_V, dtype=X.dtype)
+    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = (1/(L*n_batch)) * t17
-    t24 = oe.contract('abc,abcd,de,abef->cfab', t2, dA21, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t24 = np.swapaxes(W_V, -1, -2)
+    t25 = (1/(L*n_batch)) * t19
+    t26 = oe.contract('abc,abcd,de,abef->cfab', t2, dA23, t24, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t25, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4934,7 +5066,9 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
     t13 = (1/(L*n_batch)) * t6
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t13, t8, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5225,17 +5359,21 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     t21 = H[0:d_V**2, d_V**2:2*d_V**2]
     t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t22[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t18, W_V, t10, dA16, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.swapaxes(M_1, -1, -2)
-    t26 = (1/(L*n_batch)) * t25
-    t27 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
-    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t30[...] = oe.contract('abc,acd,acde,acf->bdfe', t26, t10, dA16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t10, dA16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,abd->cdab', t18, M_1, optimize=[(0, 1)])
+    t22[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
+    t27 = np.swapaxes(M_1, -1, -2)
+    t28 = (1/(L*n_batch)) * t27
+    t29 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t26[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
+    t33 = oe.contract('abc,abcd->cdab', t10, dA16, optimize=[(0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return H
 
 
@@ -5489,7 +5627,9 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
     t16 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t9, dA15, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t9, dA15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5681,7 +5821,9 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5751,24 +5893,28 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
-    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/n_batch) * X
-    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = np.swapaxes(G, -1, -2)
-    t32 = (1/n_batch) * t31
-    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
-    t33 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t33[...] = 0
+    t28 = (1/n_batch) * X
+    t29 = oe.contract('abc,abd->cdab', t28, G, optimize=[(0, 1)])
+    t30 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t27[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
+    t33 = np.swapaxes(G, -1, -2)
+    t34 = (1/n_batch) * t33
+    t35 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t36 = oe.contract('abc,acd->bdac', t34, X, optimize=[(0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t37[...] = 0
     return H
 
 
@@ -5904,7 +6050,9 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t22 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t24 = oe.contract('abc,acb->bac', t22, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5982,7 +6130,9 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t22 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -6148,7 +6298,9 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     t18 = (1/n_batch) * t16
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6239,7 +6391,6 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t18 = (1/(L*n_batch)) * X
     t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     F = t12
     t21 = np.exp(F - F.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
@@ -6256,27 +6407,41 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t30 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t30, M_3, X, optimize=[(0, 2), (0, 1)])
-    t31 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
-    t32[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t18, W_V, t10, dA16, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t33 = (1/n_batch) * X
-    t34 = oe.contract('abc,abd->cdab', t33, G, optimize=[(0, 1)])
-    t35 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t32 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
-    t38 = np.swapaxes(G, -1, -2)
-    t39 = (1/n_batch) * t38
-    t37[...] = oe.contract('abc,acde,acf->dbfe', t39, M_2, X, optimize=[(0, 2), (0, 1)])
-    t40 = np.swapaxes(M_1, -1, -2)
-    t41 = (1/(L*n_batch)) * t40
-    t42 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
-    t37 += oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
-    t45[...] = oe.contract('abc,acd,acde,acf->bdfe', t41, t10, dA16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t33 = np.reshape(t19, t19.shape[:2] + (-1,))
+    t34 = np.reshape(t31, t31.shape[:2] + (-1,))
+    t35 = np.concatenate([t33, t34], axis=-1)
+    t36 = np.reshape(t20, t20.shape[:2] + (-1,))
+    t37 = np.reshape(t32, t32.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
+    t39 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
+    t41 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t10, dA16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('abc,abd->cdab', t18, M_1, optimize=[(0, 1)])
+    t43 = (1/n_batch) * X
+    t44 = oe.contract('abc,abd->cdab', t43, G, optimize=[(0, 1)])
+    t45 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_V), copy=False)
+    t48 = np.swapaxes(G, -1, -2)
+    t49 = (1/n_batch) * t48
+    t50 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t51 = oe.contract('abc,acd->bdac', t49, X, optimize=[(0, 1)])
+    t52 = np.swapaxes(M_1, -1, -2)
+    t53 = (1/(L*n_batch)) * t52
+    t54 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abc,acd->bdac', t53, X, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t47 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t57 = np.reshape(t56, (d_V, d_V, d_V, d_V), copy=False)
+    t58 = oe.contract('abc,abcd->cdab', t10, dA16, optimize=[(0, 1)])
+    t59 = oe.contract('abc,acd->bdac', t53, M_1, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
     return H
 
 
@@ -6429,7 +6594,6 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t17 = (1/(L*n_batch)) * X
     t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     F = t11
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
@@ -6446,7 +6610,10 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t29 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t29, M_3, X, optimize=[(0, 2), (0, 1)])
+    t30 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t31 = oe.contract('abc,acb->bac', t29, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -6529,7 +6696,6 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t17 = (1/(L*n_batch)) * X
     t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     F = t11
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
@@ -6546,7 +6712,15 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t29 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
+    t30 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
+    t32 = np.reshape(t18, t18.shape[:2] + (-1,))
+    t33 = np.reshape(t30, t30.shape[:2] + (-1,))
+    t34 = np.concatenate([t32, t33], axis=-1)
+    t35 = np.reshape(t19, t19.shape[:2] + (-1,))
+    t36 = np.reshape(t31, t31.shape[:2] + (-1,))
+    t37 = np.concatenate([t35, t36], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
     return out
 
 
@@ -6628,18 +6802,20 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
     t16 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t9, dA15, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t9, dA15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
     F = t11
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t9 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = (1/n_batch) * X
-    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
-    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t9 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = (1/n_batch) * X
+    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -6773,18 +6949,20 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     t18 = (1/n_batch) * t16
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.eye(d_V, dtype=X.dtype)
+    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = (1/(L*n_batch)) * t19
-    t26 = oe.contract('abc,abcd,de,abef->cfab', t2, dA23, t24, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = oe.contract('abc,acd->bdac', t25, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t26 = np.swapaxes(W_V, -1, -2)
+    t27 = (1/(L*n_batch)) * t21
+    t28 = oe.contract('abc,abcd,de,abef->cfab', t2, dA25, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -6856,7 +7034,9 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 

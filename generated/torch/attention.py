@@ -106,52 +106,61 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t15 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t16 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t18 = t17.view((d_V, d_K, d_V, d_V))
-    t19 = A @ X
-    M_1 = t19
-    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t18[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = W_Q.transpose(-1, -2)
-    t24 = (2/(L*d_K*d_V*n_batch)) * t23
-    t22[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t24, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t13 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t16 = t15.view((d_V, d_K, d_V, d_K))
+    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t20 = t19.view((d_V, d_K, d_V, d_V))
+    t21 = A @ X
+    M_1 = t21
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t23 = oe.contract('ab,cdeb,ef->afcd', t22, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = oe.contract('ab,cdb,cde,ef->afcd', t24, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = t29.view((d_V, d_K, d_V, d_V))
-    t31 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t23
-    t32 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cdb,cde->aecd', t31, X, M_1, optimize=[(0, 1), (0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t35 = t34.view((d_V, d_V, d_V, d_K))
-    t36 = M_1.transpose(-1, -2)
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t36
-    t35[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t37, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = oe.contract('abc,acd,de->beac', t37, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t39[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42[...] = 0
-    t43 = t42.view((d_V, d_V, d_V, d_V))
-    t44 = t43.diagonal(0, 1, 3)
-    t45 = t36 @ M_1
-    t46 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t47 = (2/(L*d_V*n_batch)) * t46
-    t44 += oe.contract('abc,d->bcd', t45, t47, optimize=[(0, 1)])
+    t27 = W_Q.transpose(-1, -2)
+    t28 = (2/(L*d_K*d_V*n_batch)) * t27
+    t29 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('ab,cdb,cde->aecd', t28, X, X, optimize=[(0, 1), (0, 1)])
+    t26[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = oe.contract('ab,cdb,cde,ef->afcd', t28, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
+    t38 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdb,cde->aecd', t37, X, M_1, optimize=[(0, 1), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = M_1.transpose(-1, -2)
+    t43 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
+    t44 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t48 = oe.contract('abc,acd,de->beac', t43, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t49 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50[...] = 0
+    t51 = t50.view((d_V, d_V, d_V, d_V))
+    t52 = t51.diagonal(0, 1, 3)
+    t53 = t42 @ M_1
+    t54 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t55 = (2/(L*d_V*n_batch)) * t54
+    t56 = oe.contract('abc->bc', t53, optimize=[(0,)])
+    t52 += oe.contract('a,bc->bca', t55, t56, optimize=[(0, 1)])
     return H
 
 
@@ -326,7 +335,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -436,7 +447,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('ab,cdeb,ef->afcd', t10, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -547,7 +560,9 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -716,7 +731,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -767,7 +783,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -883,7 +901,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -945,65 +964,67 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t19 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t17 @ X
-    t24 = t3 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t22 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
-    t21 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t20 = oe.contract('ab,cdbe,ef->afcd', t19, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t26 = t23.diagonal(0, 1, 3)
+    t27 = t17 @ X
+    t28 = t3 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cdeb->aecd', t31, M_2, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t24.transpose(-1, -2)
-    t36 += oe.contract('abc,d->bcd', t37, t26, optimize=[(0, 1)])
-    t38 = W_Q.transpose(-1, -2)
-    t39 = (1/(d_K*n_batch)) * t38
-    t40 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t41 = oe.contract('ab,cbd,cde->aecd', t39, t3, X, optimize=[(0, 1), (0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = oe.contract('ab,cbd,cde,ef->afcd', t39, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t45 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47 = t46.view((d_V, d_K, d_V, d_V))
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t49 = oe.contract('ab,cdb,cde->aecd', t48, X, G, optimize=[(0, 1), (0, 1)])
-    t50 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t47[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t52 = t51.view((d_V, d_V, d_V, d_K))
-    t53 = G.transpose(-1, -2)
-    t54 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t55 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
-    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t58 = t57.view((d_V, d_V, d_V, d_K))
-    t59 = oe.contract('abc,acd,de->beac', t54, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t60 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t58[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t35 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t36 = oe.contract('ab,cdeb->aecd', t34, M_2, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t39 = W_Q.transpose(-1, -2)
+    t40 = (1/(d_K*n_batch)) * t39
+    t41 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cbd,cde->aecd', t40, t3, X, optimize=[(0, 1), (0, 1)])
+    t43 = t38.diagonal(0, 1, 3)
+    t44 = t28.transpose(-1, -2)
+    t45 = oe.contract('abc->bc', t44, optimize=[(0,)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 += oe.contract('a,bc->bca', t30, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = oe.contract('ab,cbd,cde,ef->afcd', t40, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = t50.view((d_V, d_K, d_V, d_V))
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t53 = oe.contract('ab,cdb,cde->aecd', t52, X, G, optimize=[(0, 1), (0, 1)])
+    t54 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t56 = t55.view((d_V, d_V, d_V, d_K))
+    t57 = G.transpose(-1, -2)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t59 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
+    t56[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_V, d_V, d_K))
+    t63 = oe.contract('abc,acd,de->beac', t58, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65[...] = 0
     return H
 
 
@@ -1235,7 +1256,9 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t18 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdbe,ef->afcd', t18, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1282,43 +1305,43 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
-    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t3
-    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t18, M_3, optimize=[(0, 1)])
+    t21 = t0.diagonal(0, 1, 3)
+    t22 = t16 @ X
+    t23 = t2 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -1461,7 +1484,9 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cbd,cde,ea->acd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1507,9 +1532,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -1530,22 +1554,23 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
-    t18 = t17.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t23
-    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cbd,cde->aecd', t19, t2, X, optimize=[(0, 1), (0, 1)])
+    t22 = t0.diagonal(0, 1, 3)
+    t23 = t17.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = t2 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc->bc', t25, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -1936,104 +1961,135 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t10 @ t3
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    t13 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t10 @ t3
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = t33.view((d_V, d_K, d_V, d_V))
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t34[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t35, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
-    t34 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = t26.transpose(-1, -2)
-    t41 += oe.contract('abc,d->bcd', t42, t28, optimize=[(0, 1)])
-    t43 = W_Q.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = (2/(L*d_K*d_V*n_batch)) * t43
-    t40 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t47, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_K, d_V, d_K))
-    t50 = oe.contract('ab,cdb,cde,ef->afcd', t47, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t51 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
-    t52 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t49 += oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = t54.view((d_V, d_K, d_V, d_V))
-    t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t43
-    t57 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t58 = oe.contract('ab,cdb,cde->aecd', t56, X, M_1, optimize=[(0, 1), (0, 1)])
-    t55[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t60 = oe.contract('ab,cdb,cde->aecd', t59, X, G, optimize=[(0, 1), (0, 1)])
-    t61 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t55 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t63 = t62.view((d_V, d_V, d_V, d_K))
-    t64 = M_1.transpose(-1, -2)
-    t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t64
-    t63[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t65, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t66 = G.transpose(-1, -2)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
-    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t71 = t70.view((d_V, d_V, d_V, d_K))
-    t72 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t73 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t71 += oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76[...] = 0
-    t77 = t76.view((d_V, d_V, d_V, d_V))
-    t78 = t77.diagonal(0, 1, 3)
-    t79 = t64 @ M_1
-    t80 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t81 = (2/(L*d_V*n_batch)) * t80
-    t78 += oe.contract('abc,d->bcd', t79, t81, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t2
+    t24 = oe.contract('ab,cdbe,ef->afcd', t23, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t26 = t13.reshape(*t13.shape[:2], -1)
+    t27 = t24.reshape(*t24.shape[:2], -1)
+    t28 = torch.cat([t26, t27], dim=-1)
+    t29 = t14.reshape(*t14.shape[:2], -1)
+    t30 = t25.reshape(*t25.shape[:2], -1)
+    t31 = torch.cat([t29, t30], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = t33.diagonal(0, 1, 3)
+    t39 = t22 @ X
+    t40 = t3 @ t39
+    t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = oe.contract('abc->bc', t40, optimize=[(0,)])
+    t44 = t34.reshape(*t34.shape[:2], -1)
+    t45 = t36.reshape(*t36.shape[:2], -1)
+    t46 = torch.cat([t44, t45], dim=-1)
+    t47 = t35.reshape(*t35.shape[:2], -1)
+    t48 = t37.reshape(*t37.shape[:2], -1)
+    t49 = torch.cat([t47, t48], dim=-1)
+    t33[...] = oe.contract('abg,efg->aefb', t46, t49, optimize=[(0, 1)])
+    t38 += oe.contract('a,bc->bca', t42, t43, optimize=[(0, 1)])
+    t50 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = t50.view((d_V, d_K, d_V, d_V))
+    t52 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t53 = oe.contract('ab,cdeb,ef->afcd', t52, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t54 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t56 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t57 = oe.contract('ab,cdeb->aecd', t55, M_2, optimize=[(0, 1)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t51 += oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_K))
+    t60 = W_Q.transpose(-1, -2)
+    t61 = (1/(d_K*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cbd,cde->aecd', t61, t3, X, optimize=[(0, 1), (0, 1)])
+    t64 = (2/(L*d_K*d_V*n_batch)) * t60
+    t65 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t66 = oe.contract('ab,cdb,cde->aecd', t64, X, X, optimize=[(0, 1), (0, 1)])
+    t67 = t59.diagonal(0, 1, 3)
+    t68 = t40.transpose(-1, -2)
+    t69 = oe.contract('abc->bc', t68, optimize=[(0,)])
+    t70 = t62.reshape(*t62.shape[:2], -1)
+    t71 = t65.reshape(*t65.shape[:2], -1)
+    t72 = torch.cat([t70, t71], dim=-1)
+    t73 = t63.reshape(*t63.shape[:2], -1)
+    t74 = t66.reshape(*t66.shape[:2], -1)
+    t75 = torch.cat([t73, t74], dim=-1)
+    t59[...] = oe.contract('abg,efg->aefb', t72, t75, optimize=[(0, 1)])
+    t67 += oe.contract('a,bc->bca', t42, t69, optimize=[(0, 1)])
+    t76 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t77 = t76.view((d_V, d_K, d_V, d_K))
+    t78 = oe.contract('ab,cdb,cde,ef->afcd', t64, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t79 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t80 = oe.contract('ab,cbd,cde,ef->afcd', t61, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t82 = t78.reshape(*t78.shape[:2], -1)
+    t83 = t80.reshape(*t80.shape[:2], -1)
+    t84 = torch.cat([t82, t83], dim=-1)
+    t85 = t79.reshape(*t79.shape[:2], -1)
+    t86 = t81.reshape(*t81.shape[:2], -1)
+    t87 = torch.cat([t85, t86], dim=-1)
+    t77[...] = oe.contract('abg,efg->eafb', t84, t87, optimize=[(0, 1)])
+    t88 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t89 = t88.view((d_V, d_K, d_V, d_V))
+    t90 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t60
+    t91 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t92 = oe.contract('ab,cdb,cde->aecd', t90, X, M_1, optimize=[(0, 1), (0, 1)])
+    t93 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t94 = oe.contract('ab,cdb,cde->aecd', t93, X, G, optimize=[(0, 1), (0, 1)])
+    t95 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t89[...] = oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
+    t89 += oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t97 = t96.view((d_V, d_V, d_V, d_K))
+    t98 = M_1.transpose(-1, -2)
+    t99 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t98
+    t100 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t101 = oe.contract('abc,acd->bdac', t99, X, optimize=[(0, 1)])
+    t102 = G.transpose(-1, -2)
+    t103 = (1/(math.sqrt(d_K)*n_batch)) * t102
+    t104 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t105 = oe.contract('abc,acd->bdac', t103, X, optimize=[(0, 1)])
+    t97[...] = oe.contract('abcd,efcd->eafb', t100, t101, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t104, t105, optimize=[(0, 1)])
+    t106 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t107 = t106.view((d_V, d_V, d_V, d_K))
+    t108 = oe.contract('abc,acd,de->beac', t99, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t109 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t110 = oe.contract('abc,acd,de->beac', t103, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t111 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t107[...] = oe.contract('abcd,efcd->aefb', t108, t109, optimize=[(0, 1)])
+    t107 += oe.contract('abcd,efcd->eafb', t110, t111, optimize=[(0, 1)])
+    t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t112[...] = 0
+    t113 = t112.view((d_V, d_V, d_V, d_V))
+    t114 = t113.diagonal(0, 1, 3)
+    t115 = t98 @ M_1
+    t116 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t117 = (2/(L*d_V*n_batch)) * t116
+    t118 = oe.contract('abc->bc', t115, optimize=[(0,)])
+    t114 += oe.contract('a,bc->bca', t117, t118, optimize=[(0, 1)])
     return H
 
 
@@ -2196,7 +2252,6 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
     t12 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
     t13 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     t14 = A @ X
     M_1 = t14
     t15 = M_1 @ W_V
@@ -2215,6 +2270,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = (1/(d_K*n_batch)) * t1
     t23 = oe.contract('ab,cdbe,ea->acd', t22, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t24 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
@@ -2282,24 +2338,33 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = t9 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
+    t12 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t9 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cdbe,ef->afcd', t22, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t25 = t12.reshape(*t12.shape[:2], -1)
+    t26 = t23.reshape(*t23.shape[:2], -1)
+    t27 = torch.cat([t25, t26], dim=-1)
+    t28 = t13.reshape(*t13.shape[:2], -1)
+    t29 = t24.reshape(*t24.shape[:2], -1)
+    t30 = torch.cat([t28, t29], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -2351,52 +2416,57 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
-    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t2
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t3
-    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t18, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t26 = W_V @ t13
-    t27 = (2/(L*d_K*d_V*n_batch)) * t3
-    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t21 = W_V @ t12
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t23 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('ab,cdeb,ef,cdfg->agcd', t22, M_2, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = t0.diagonal(0, 1, 3)
+    t26 = t16 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc->bc', t27, optimize=[(0,)])
+    t31 = t19.reshape(*t19.shape[:2], -1)
+    t32 = t23.reshape(*t23.shape[:2], -1)
+    t33 = torch.cat([t31, t32], dim=-1)
+    t34 = t20.reshape(*t20.shape[:2], -1)
+    t35 = t24.reshape(*t24.shape[:2], -1)
+    t36 = torch.cat([t34, t35], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t33, t36, optimize=[(0, 1)])
+    t25 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -2467,16 +2537,18 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t16 = oe.contract('ab,cdeb->aecd', t14, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t11 = oe.contract('ab,cdeb,ef->afcd', t10, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2538,7 +2610,6 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
     t13 = oe.contract('ab,cdb,cde,ea->acd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = oe.contract('abcd,ce,abed->dab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -2555,7 +2626,10 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t23, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = oe.contract('ab,cbd,cde,ea->acd', t23, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2606,9 +2680,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -2629,29 +2702,37 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
-    t18 = t17.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t23
-    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cbd,cde->aecd', t19, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t28 = W_V @ t13
-    t29 = (2/(L*d_K*d_V*n_batch)) * t23
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = W_V @ t13
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t24 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t22, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('ab,cdb,cde->aecd', t23, X, X, optimize=[(0, 1), (0, 1)])
+    t26 = t0.diagonal(0, 1, 3)
+    t27 = t17.transpose(-1, -2)
+    t28 = t27 @ X
+    t29 = t2 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = oe.contract('abc->bc', t29, optimize=[(0,)])
+    t33 = t20.reshape(*t20.shape[:2], -1)
+    t34 = t24.reshape(*t24.shape[:2], -1)
+    t35 = torch.cat([t33, t34], dim=-1)
+    t36 = t21.reshape(*t21.shape[:2], -1)
+    t37 = t25.reshape(*t25.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t35, t38, optimize=[(0, 1)])
+    t26 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -2727,7 +2808,6 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
     t13 = oe.contract('ab,cdb,cde,ef->afcd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -2746,7 +2826,13 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = (1/(d_K*n_batch)) * t1
     t24 = oe.contract('ab,cbd,cde,ef->afcd', t23, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = t13.reshape(*t13.shape[:2], -1)
+    t27 = t24.reshape(*t24.shape[:2], -1)
+    t28 = torch.cat([t26, t27], dim=-1)
+    t29 = t14.reshape(*t14.shape[:2], -1)
+    t30 = t25.reshape(*t25.shape[:2], -1)
+    t31 = torch.cat([t29, t30], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
     return out
 
 
@@ -2819,7 +2905,6 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
     t13 = oe.contract('ab,cdb,cde->aecd', t11, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     t14 = M_1 @ W_V
     F = t14
     t15 = F - Y
@@ -2828,6 +2913,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
     t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -2886,7 +2972,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2937,17 +3024,19 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t13 = oe.contract('ab,cdbe,ef->afcd', t10, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3013,7 +3102,6 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t13 = oe.contract('abc,acd,de->beac', t12, X, W_Q, optimize=[(1, 2), (0, 1)])
     t14 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t15 = M_1 @ W_V
     F = t15
     t16 = F - Y
@@ -3023,6 +3111,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
     t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -3085,7 +3174,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3603,7 +3693,7 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     t8 = out.view((n_batch, L, d_V, d_V, d_V,))
     t9 = t8.diagonal(0, -3, -1)
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t9[...] = oe.contract('abc,d->abcd', M_1, t10, optimize=[(0, 1)])
+    t9[...] = oe.contract('a,bcd->bcda', t10, M_1, optimize=[(0, 1)])
     return out
 
 
@@ -3720,52 +3810,61 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t16 = t15.view((d_V, d_K, d_V, d_K))
-    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t20 = t19.view((d_V, d_K, d_V, d_V))
-    t21 = A @ X
-    M_1 = t21
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = W_Q.transpose(-1, -2)
-    t26 = (2/(L*d_K*d_V*n_batch)) * t25
-    t24[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t26, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t18 = t17.view((d_V, d_K, d_V, d_K))
+    t19 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = t21.view((d_V, d_K, d_V, d_V))
+    t23 = A @ X
+    M_1 = t23
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t25 = oe.contract('ab,cdeb,ef->afcd', t24, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = oe.contract('ab,cdb,cde,ef->afcd', t26, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t28[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
-    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t25
-    t34 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cdb,cde->aecd', t33, X, M_1, optimize=[(0, 1), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t37 = t36.view((d_V, d_V, d_V, d_K))
-    t38 = M_1.transpose(-1, -2)
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t38
-    t37[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t39, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = oe.contract('abc,acd,de->beac', t39, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t43 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t41[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_V, d_V, d_V))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = t38 @ M_1
-    t48 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t49 = (2/(L*d_V*n_batch)) * t48
-    t46 += oe.contract('abc,d->bcd', t47, t49, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
+    t30 = (2/(L*d_K*d_V*n_batch)) * t29
+    t31 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('ab,cdb,cde->aecd', t30, X, X, optimize=[(0, 1), (0, 1)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t40 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdb,cde->aecd', t39, X, M_1, optimize=[(0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t43 = t42.view((d_V, d_V, d_V, d_K))
+    t44 = M_1.transpose(-1, -2)
+    t45 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
+    t46 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t45, X, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = oe.contract('abc,acd,de->beac', t45, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t51 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
+    t53 = t52.view((d_V, d_V, d_V, d_V))
+    t54 = t53.diagonal(0, 1, 3)
+    t55 = t44 @ M_1
+    t56 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t57 = (2/(L*d_V*n_batch)) * t56
+    t58 = oe.contract('abc->bc', t55, optimize=[(0,)])
+    t54 += oe.contract('a,bc->bca', t57, t58, optimize=[(0, 1)])
     return H
 
 
@@ -3950,7 +4049,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4068,7 +4169,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('ab,cdeb,ef->afcd', t12, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4187,7 +4290,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t14, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4368,7 +4473,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
+    t15 = oe.contract('abb->b', t12, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4423,7 +4529,9 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4547,7 +4655,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += oe.contract('abc,d->bcd', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bc', t13, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4613,65 +4722,67 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t19 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t22 = oe.contract('ab,cdbe,ef->afcd', t21, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t28 = t25.diagonal(0, 1, 3)
+    t29 = t19 @ X
+    t30 = t3 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t34 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cdeb->aecd', t33, M_2, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t38 = t37.diagonal(0, 1, 3)
-    t39 = t26.transpose(-1, -2)
-    t38 += oe.contract('abc,d->bcd', t39, t28, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t41 = (1/(d_K*n_batch)) * t40
-    t42 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t43 = oe.contract('ab,cbd,cde->aecd', t41, t3, X, optimize=[(0, 1), (0, 1)])
-    t37 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = oe.contract('ab,cbd,cde,ef->afcd', t41, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t47 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49 = t48.view((d_V, d_K, d_V, d_V))
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t51 = oe.contract('ab,cdb,cde->aecd', t50, X, G, optimize=[(0, 1), (0, 1)])
-    t52 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t54 = t53.view((d_V, d_V, d_V, d_K))
-    t55 = G.transpose(-1, -2)
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t57 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
-    t54[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_V, d_V, d_K))
-    t61 = oe.contract('abc,acd,de->beac', t56, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t62 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63[...] = 0
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = W_Q.transpose(-1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t43 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cbd,cde->aecd', t42, t3, X, optimize=[(0, 1), (0, 1)])
+    t45 = t40.diagonal(0, 1, 3)
+    t46 = t30.transpose(-1, -2)
+    t47 = oe.contract('abc->bc', t46, optimize=[(0,)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 += oe.contract('a,bc->bca', t32, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_K, d_V, d_K))
+    t50 = oe.contract('ab,cbd,cde,ef->afcd', t42, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t55 = oe.contract('ab,cdb,cde->aecd', t54, X, G, optimize=[(0, 1), (0, 1)])
+    t56 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t58 = t57.view((d_V, d_V, d_V, d_K))
+    t59 = G.transpose(-1, -2)
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    t61 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t60, X, optimize=[(0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t64 = t63.view((d_V, d_V, d_V, d_K))
+    t65 = oe.contract('abc,acd,de->beac', t60, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t66 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
     return H
 
 
@@ -4913,7 +5024,9 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdbe,ef->afcd', t20, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4962,45 +5075,45 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t3
-    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdbe->aecd', t20, M_3, optimize=[(0, 1)])
+    t23 = t0.diagonal(0, 1, 3)
+    t24 = t18 @ X
+    t25 = t2 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc->bc', t25, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -5151,7 +5264,9 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('ab,cbd,cde,ea->acd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5199,9 +5314,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -5224,22 +5338,23 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
-    t20 = t19.transpose(-1, -2)
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t25
-    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cbd,cde->aecd', t21, t2, X, optimize=[(0, 1), (0, 1)])
+    t24 = t0.diagonal(0, 1, 3)
+    t25 = t19.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc->bc', t27, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -5650,104 +5765,135 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = A @ X
-    M_1 = t15
-    t16 = M_1 @ W_V
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = t12 @ t3
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t15 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t17 = A @ X
+    M_1 = t17
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t12 @ t3
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = t25.diagonal(0, 1, 3)
-    t27 = t22 @ X
-    t28 = t3 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t26 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
-    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t25 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t36[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t37, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
-    t36 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t28.transpose(-1, -2)
-    t43 += oe.contract('abc,d->bcd', t44, t30, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = (2/(L*d_K*d_V*n_batch)) * t45
-    t42 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t49, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = oe.contract('ab,cdb,cde,ef->afcd', t49, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t51 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57 = t56.view((d_V, d_K, d_V, d_V))
-    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t59 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t60 = oe.contract('ab,cdb,cde->aecd', t58, X, M_1, optimize=[(0, 1), (0, 1)])
-    t57[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t62 = oe.contract('ab,cdb,cde->aecd', t61, X, G, optimize=[(0, 1), (0, 1)])
-    t63 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t57 += oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t65 = t64.view((d_V, d_V, d_V, d_K))
-    t66 = M_1.transpose(-1, -2)
-    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
-    t65[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t67, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t68 = G.transpose(-1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
-    t65 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t75 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t73[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t73 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78[...] = 0
-    t79 = t78.view((d_V, d_V, d_V, d_V))
-    t80 = t79.diagonal(0, 1, 3)
-    t81 = t66 @ M_1
-    t82 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t83 = (2/(L*d_V*n_batch)) * t82
-    t80 += oe.contract('abc,d->bcd', t81, t83, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t2
+    t26 = oe.contract('ab,cdbe,ef->afcd', t25, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t28 = t15.reshape(*t15.shape[:2], -1)
+    t29 = t26.reshape(*t26.shape[:2], -1)
+    t30 = torch.cat([t28, t29], dim=-1)
+    t31 = t16.reshape(*t16.shape[:2], -1)
+    t32 = t27.reshape(*t27.shape[:2], -1)
+    t33 = torch.cat([t31, t32], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = t35.diagonal(0, 1, 3)
+    t41 = t24 @ X
+    t42 = t3 @ t41
+    t43 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t45 = oe.contract('abc->bc', t42, optimize=[(0,)])
+    t46 = t36.reshape(*t36.shape[:2], -1)
+    t47 = t38.reshape(*t38.shape[:2], -1)
+    t48 = torch.cat([t46, t47], dim=-1)
+    t49 = t37.reshape(*t37.shape[:2], -1)
+    t50 = t39.reshape(*t39.shape[:2], -1)
+    t51 = torch.cat([t49, t50], dim=-1)
+    t35[...] = oe.contract('abg,efg->aefb', t48, t51, optimize=[(0, 1)])
+    t40 += oe.contract('a,bc->bca', t44, t45, optimize=[(0, 1)])
+    t52 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t55 = oe.contract('ab,cdeb,ef->afcd', t54, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t56 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t58 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t59 = oe.contract('ab,cdeb->aecd', t57, M_2, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t53 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_K, d_V, d_K))
+    t62 = W_Q.transpose(-1, -2)
+    t63 = (1/(d_K*n_batch)) * t62
+    t64 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cbd,cde->aecd', t63, t3, X, optimize=[(0, 1), (0, 1)])
+    t66 = (2/(L*d_K*d_V*n_batch)) * t62
+    t67 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('ab,cdb,cde->aecd', t66, X, X, optimize=[(0, 1), (0, 1)])
+    t69 = t61.diagonal(0, 1, 3)
+    t70 = t42.transpose(-1, -2)
+    t71 = oe.contract('abc->bc', t70, optimize=[(0,)])
+    t72 = t64.reshape(*t64.shape[:2], -1)
+    t73 = t67.reshape(*t67.shape[:2], -1)
+    t74 = torch.cat([t72, t73], dim=-1)
+    t75 = t65.reshape(*t65.shape[:2], -1)
+    t76 = t68.reshape(*t68.shape[:2], -1)
+    t77 = torch.cat([t75, t76], dim=-1)
+    t61[...] = oe.contract('abg,efg->aefb', t74, t77, optimize=[(0, 1)])
+    t69 += oe.contract('a,bc->bca', t44, t71, optimize=[(0, 1)])
+    t78 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t79 = t78.view((d_V, d_K, d_V, d_K))
+    t80 = oe.contract('ab,cdb,cde,ef->afcd', t66, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('ab,cbd,cde,ef->afcd', t63, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t83 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t84 = t80.reshape(*t80.shape[:2], -1)
+    t85 = t82.reshape(*t82.shape[:2], -1)
+    t86 = torch.cat([t84, t85], dim=-1)
+    t87 = t81.reshape(*t81.shape[:2], -1)
+    t88 = t83.reshape(*t83.shape[:2], -1)
+    t89 = torch.cat([t87, t88], dim=-1)
+    t79[...] = oe.contract('abg,efg->eafb', t86, t89, optimize=[(0, 1)])
+    t90 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t91 = t90.view((d_V, d_K, d_V, d_V))
+    t92 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t62
+    t93 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t94 = oe.contract('ab,cdb,cde->aecd', t92, X, M_1, optimize=[(0, 1), (0, 1)])
+    t95 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t96 = oe.contract('ab,cdb,cde->aecd', t95, X, G, optimize=[(0, 1), (0, 1)])
+    t97 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t91[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t91 += oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t99 = t98.view((d_V, d_V, d_V, d_K))
+    t100 = M_1.transpose(-1, -2)
+    t101 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t100
+    t102 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t103 = oe.contract('abc,acd->bdac', t101, X, optimize=[(0, 1)])
+    t104 = G.transpose(-1, -2)
+    t105 = (1/(math.sqrt(d_K)*n_batch)) * t104
+    t106 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t107 = oe.contract('abc,acd->bdac', t105, X, optimize=[(0, 1)])
+    t99[...] = oe.contract('abcd,efcd->eafb', t102, t103, optimize=[(0, 1)])
+    t99 += oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t109 = t108.view((d_V, d_V, d_V, d_K))
+    t110 = oe.contract('abc,acd,de->beac', t101, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t111 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t112 = oe.contract('abc,acd,de->beac', t105, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t113 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t109[...] = oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
+    t109 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t114[...] = 0
+    t115 = t114.view((d_V, d_V, d_V, d_V))
+    t116 = t115.diagonal(0, 1, 3)
+    t117 = t100 @ M_1
+    t118 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t119 = (2/(L*d_V*n_batch)) * t118
+    t120 = oe.contract('abc->bc', t117, optimize=[(0,)])
+    t116 += oe.contract('a,bc->bca', t119, t120, optimize=[(0, 1)])
     return H
 
 
@@ -5916,7 +6062,6 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
     t14 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
     t15 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     t16 = A @ X
     M_1 = t16
     t17 = M_1 @ W_V
@@ -5935,6 +6080,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(d_K*n_batch)) * t1
     t25 = oe.contract('ab,cdbe,ea->acd', t24, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t26 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
@@ -6006,24 +6152,33 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = A @ X
-    M_1 = t14
-    t15 = M_1 @ W_V
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = t11 @ t2
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t14 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t11 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cdbe,ef->afcd', t24, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t27 = t14.reshape(*t14.shape[:2], -1)
+    t28 = t25.reshape(*t25.shape[:2], -1)
+    t29 = torch.cat([t27, t28], dim=-1)
+    t30 = t15.reshape(*t15.shape[:2], -1)
+    t31 = t26.reshape(*t26.shape[:2], -1)
+    t32 = torch.cat([t30, t31], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t29, t32, optimize=[(0, 1)])
     return out
 
 
@@ -6077,54 +6232,59 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t3
-    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdbe->aecd', t20, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t28 = W_V @ t15
-    t29 = (2/(L*d_K*d_V*n_batch)) * t3
-    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t23 = W_V @ t14
+    t24 = (2/(L*d_K*d_V*n_batch)) * t1
+    t25 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdeb,ef,cdfg->agcd', t24, M_2, t23, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = t0.diagonal(0, 1, 3)
+    t28 = t18 @ X
+    t29 = t2 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = oe.contract('abc->bc', t29, optimize=[(0,)])
+    t33 = t21.reshape(*t21.shape[:2], -1)
+    t34 = t25.reshape(*t25.shape[:2], -1)
+    t35 = torch.cat([t33, t34], dim=-1)
+    t36 = t22.reshape(*t22.shape[:2], -1)
+    t37 = t26.reshape(*t26.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t35, t38, optimize=[(0, 1)])
+    t27 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -6199,16 +6359,18 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t13 = oe.contract('ab,cdeb,ef->afcd', t12, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6274,7 +6436,6 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
     t15 = oe.contract('ab,cdb,cde,ea->acd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = oe.contract('abcd,ce,abed->dab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     t17 = A @ X
     M_1 = t17
     t18 = M_1 @ W_V
@@ -6291,7 +6452,10 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t25, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = oe.contract('ab,cbd,cde,ea->acd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -6344,9 +6508,8 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -6369,29 +6532,37 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
-    t20 = t19.transpose(-1, -2)
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t25
-    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cbd,cde->aecd', t21, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t30 = W_V @ t15
-    t31 = (2/(L*d_K*d_V*n_batch)) * t25
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t31, M_2, X, t30, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = W_V @ t15
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t26 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t24, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('ab,cdb,cde->aecd', t25, X, X, optimize=[(0, 1), (0, 1)])
+    t28 = t0.diagonal(0, 1, 3)
+    t29 = t19.transpose(-1, -2)
+    t30 = t29 @ X
+    t31 = t2 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t35 = t22.reshape(*t22.shape[:2], -1)
+    t36 = t26.reshape(*t26.shape[:2], -1)
+    t37 = torch.cat([t35, t36], dim=-1)
+    t38 = t23.reshape(*t23.shape[:2], -1)
+    t39 = t27.reshape(*t27.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t37, t40, optimize=[(0, 1)])
+    t28 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -6471,7 +6642,6 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
     t15 = oe.contract('ab,cdb,cde,ef->afcd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     t17 = A @ X
     M_1 = t17
     t18 = M_1 @ W_V
@@ -6490,7 +6660,13 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = (1/(d_K*n_batch)) * t1
     t26 = oe.contract('ab,cbd,cde,ef->afcd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t27 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = t15.reshape(*t15.shape[:2], -1)
+    t29 = t26.reshape(*t26.shape[:2], -1)
+    t30 = torch.cat([t28, t29], dim=-1)
+    t31 = t16.reshape(*t16.shape[:2], -1)
+    t32 = t27.reshape(*t27.shape[:2], -1)
+    t33 = torch.cat([t31, t32], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
     return out
 
 
@@ -6567,7 +6743,6 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
     t15 = oe.contract('ab,cdb,cde->aecd', t13, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t16 = M_1 @ W_V
     F = t16
     t17 = F - Y
@@ -6576,6 +6751,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
     t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -6638,7 +6814,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
+    t15 = oe.contract('abb->b', t12, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -6693,17 +6870,19 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = M_1 @ W_V
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6773,7 +6952,6 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
     t16 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -6783,6 +6961,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
     t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
@@ -6849,7 +7028,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += oe.contract('abc,d->bcd', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bc', t13, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -7397,7 +7577,7 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     t10 = out.view((n_batch, L, d_V, d_V, d_V,))
     t11 = t10.diagonal(0, -3, -1)
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t11[...] = oe.contract('abc,d->abcd', M_1, t12, optimize=[(0, 1)])
+    t11[...] = oe.contract('a,bcd->bcda', t12, M_1, optimize=[(0, 1)])
     return out
 
 
@@ -7525,46 +7705,56 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t23 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t21[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = t24.view((d_V, d_K, d_V, d_V))
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t26, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = W_Q.transpose(-1, -2)
-    t30 = (1/(L*d_K*n_batch)) * t29
-    t28[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t19, M_2, W_V, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t28, M_2, W_V, t11, dA17, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = (1/(L*math.sqrt(d_K)*n_batch)) * t29
-    t36[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t37, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = M_1.transpose(-1, -2)
-    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t40
-    t42 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = oe.contract('abc,acd,de->beac', t41, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t47 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t45[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49 = t48.view((d_V, d_V, d_V, d_V))
-    t50 = (1/(L*n_batch)) * t40
-    t49[...] = oe.contract('abc,acd,acde,acf->bdfe', t50, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t33 = W_Q.transpose(-1, -2)
+    t34 = (1/(L*d_K*n_batch)) * t33
+    t35 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA17, t11, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t36 = oe.contract('ab,cdb,cde->aecd', t34, X, X, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t39 = oe.contract('ab,cdb,cde,ef->afcd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t33
+    t44 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdb,cde->aecd', t43, X, M_1, optimize=[(0, 1), (0, 1)])
+    t42[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t48 = M_1.transpose(-1, -2)
+    t49 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
+    t50 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t51 = oe.contract('abc,acd->bdac', t49, X, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = oe.contract('abc,acd,de->beac', t49, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t55 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_V, d_V, d_V))
+    t58 = (1/(L*n_batch)) * t48
+    t59 = oe.contract('abc,abcd->cdab', t11, dA17, optimize=[(0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, M_1, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
     return H
 
 
@@ -7780,7 +7970,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7925,7 +8117,9 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t17, M_2, X, W_V, t10, dA16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t17, M_2, W_V, t10, dA16, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8071,7 +8265,9 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA17, t11, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8220,7 +8416,9 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t18, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t18, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8501,7 +8699,9 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t16 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t11, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abcd->cdab', t11, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -8575,65 +8775,67 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t22 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t25 = oe.contract('ab,cdbe,ef->afcd', t24, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t31 = t28.diagonal(0, 1, 3)
+    t32 = t22 @ X
+    t33 = t3 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc->bc', t33, optimize=[(0,)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
-    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = t29.transpose(-1, -2)
-    t41 += oe.contract('abc,d->bcd', t42, t31, optimize=[(0, 1)])
-    t43 = W_Q.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t50 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52 = t51.view((d_V, d_K, d_V, d_V))
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t54 = oe.contract('ab,cdb,cde->aecd', t53, X, G, optimize=[(0, 1), (0, 1)])
-    t55 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t57 = t56.view((d_V, d_V, d_V, d_K))
-    t58 = G.transpose(-1, -2)
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t60 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t61 = oe.contract('abc,acd->bdac', t59, X, optimize=[(0, 1)])
-    t57[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t63 = t62.view((d_V, d_V, d_V, d_K))
-    t64 = oe.contract('abc,acd,de->beac', t59, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t65 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66[...] = 0
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdeb->aecd', t39, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = W_Q.transpose(-1, -2)
+    t45 = (1/(d_K*n_batch)) * t44
+    t46 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t47 = oe.contract('ab,cbd,cde->aecd', t45, t3, X, optimize=[(0, 1), (0, 1)])
+    t48 = t43.diagonal(0, 1, 3)
+    t49 = t33.transpose(-1, -2)
+    t50 = oe.contract('abc->bc', t49, optimize=[(0,)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 += oe.contract('a,bc->bca', t35, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t53 = oe.contract('ab,cbd,cde,ef->afcd', t45, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t54 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = t55.view((d_V, d_K, d_V, d_V))
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t58 = oe.contract('ab,cdb,cde->aecd', t57, X, G, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t56[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = G.transpose(-1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t64 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd->bdac', t63, X, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t67 = t66.view((d_V, d_V, d_V, d_K))
+    t68 = oe.contract('abc,acd,de->beac', t63, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t69 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70[...] = 0
     return H
 
 
@@ -8890,7 +9092,9 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ef->afcd', t23, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8942,48 +9146,48 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = t9 * A13
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t26 = t0.diagonal(0, 1, 3)
+    t27 = t21 @ X
+    t28 = t2 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -9146,7 +9350,9 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ea->acd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9197,9 +9403,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -9225,22 +9430,23 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
-    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t28
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cbd,cde->aecd', t24, t2, X, optimize=[(0, 1), (0, 1)])
+    t27 = t0.diagonal(0, 1, 3)
+    t28 = t22.transpose(-1, -2)
+    t29 = t28 @ X
+    t30 = t2 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -9685,100 +9891,132 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t19, M_2, W_V, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t13
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t18 @ t3
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t18 @ t3
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t30, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t28 @ X
-    t34 = t3 @ t33
-    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t32 += oe.contract('abc,d->bcd', t34, t36, optimize=[(0, 1)])
-    t37 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t38 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
-    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t40 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t31 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t43, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cdeb->aecd', t44, M_2, optimize=[(0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47[...] = 0
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = t48.diagonal(0, 1, 3)
-    t50 = t34.transpose(-1, -2)
-    t49 += oe.contract('abc,d->bcd', t50, t36, optimize=[(0, 1)])
-    t51 = W_Q.transpose(-1, -2)
-    t52 = (1/(d_K*n_batch)) * t51
-    t53 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cbd,cde->aecd', t52, t3, X, optimize=[(0, 1), (0, 1)])
-    t48 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
-    t55 = (1/(L*d_K*n_batch)) * t51
-    t48 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t55, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = t56.view((d_V, d_K, d_V, d_K))
-    t58 = oe.contract('ab,cdb,cde,ef->afcd', t55, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t59 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
-    t60 = oe.contract('ab,cbd,cde,ef->afcd', t52, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = t62.view((d_V, d_K, d_V, d_V))
-    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t51
-    t63[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t64, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t51
-    t66 = oe.contract('ab,cdb,cde->aecd', t65, X, G, optimize=[(0, 1), (0, 1)])
-    t67 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t63 += oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t69 = t68.view((d_V, d_V, d_V, d_K))
-    t70 = G.transpose(-1, -2)
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t72 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
-    t69[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = M_1.transpose(-1, -2)
-    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t74
-    t76 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t77 = oe.contract('abc,acd->bdac', t75, X, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t79 = t78.view((d_V, d_V, d_V, d_K))
-    t80 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t81 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t79[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
-    t82 = oe.contract('abc,acd,de->beac', t75, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t83 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t79 += oe.contract('abcd,efcd->aefb', t82, t83, optimize=[(0, 1)])
-    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85 = t84.view((d_V, d_V, d_V, d_V))
-    t86 = (1/(L*n_batch)) * t74
-    t85[...] = oe.contract('abc,acd,acde,acf->bdfe', t86, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t2
+    t32 = oe.contract('ab,cdbe,ef->afcd', t31, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t34 = t20.reshape(*t20.shape[:2], -1)
+    t35 = t32.reshape(*t32.shape[:2], -1)
+    t36 = torch.cat([t34, t35], dim=-1)
+    t37 = t21.reshape(*t21.shape[:2], -1)
+    t38 = t33.reshape(*t33.shape[:2], -1)
+    t39 = torch.cat([t37, t38], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t43 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t44 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t45 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t46 = t41.diagonal(0, 1, 3)
+    t47 = t30 @ X
+    t48 = t3 @ t47
+    t49 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t51 = oe.contract('abc->bc', t48, optimize=[(0,)])
+    t52 = t42.reshape(*t42.shape[:2], -1)
+    t53 = t44.reshape(*t44.shape[:2], -1)
+    t54 = torch.cat([t52, t53], dim=-1)
+    t55 = t43.reshape(*t43.shape[:2], -1)
+    t56 = t45.reshape(*t45.shape[:2], -1)
+    t57 = torch.cat([t55, t56], dim=-1)
+    t41[...] = oe.contract('abg,efg->aefb', t54, t57, optimize=[(0, 1)])
+    t46 += oe.contract('a,bc->bca', t50, t51, optimize=[(0, 1)])
+    t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = t58.view((d_V, d_K, d_V, d_V))
+    t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t61 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t60, M_2, W_V, t11, dA17, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t62 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t64 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdeb->aecd', t63, M_2, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t59 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t67 = t66.view((d_V, d_K, d_V, d_K))
+    t68 = W_Q.transpose(-1, -2)
+    t69 = (1/(d_K*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('ab,cbd,cde->aecd', t69, t3, X, optimize=[(0, 1), (0, 1)])
+    t72 = (1/(L*d_K*n_batch)) * t68
+    t73 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA17, t11, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t74 = oe.contract('ab,cdb,cde->aecd', t72, X, X, optimize=[(0, 1), (0, 1)])
+    t75 = t67.diagonal(0, 1, 3)
+    t76 = t48.transpose(-1, -2)
+    t77 = oe.contract('abc->bc', t76, optimize=[(0,)])
+    t78 = t70.reshape(*t70.shape[:2], -1)
+    t79 = t73.reshape(*t73.shape[:2], -1)
+    t80 = torch.cat([t78, t79], dim=-1)
+    t81 = t71.reshape(*t71.shape[:2], -1)
+    t82 = t74.reshape(*t74.shape[:2], -1)
+    t83 = torch.cat([t81, t82], dim=-1)
+    t67[...] = oe.contract('abg,efg->aefb', t80, t83, optimize=[(0, 1)])
+    t75 += oe.contract('a,bc->bca', t50, t77, optimize=[(0, 1)])
+    t84 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t85 = t84.view((d_V, d_K, d_V, d_K))
+    t86 = oe.contract('ab,cdb,cde,ef->afcd', t72, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t87 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t88 = oe.contract('ab,cbd,cde,ef->afcd', t69, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t89 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t90 = t86.reshape(*t86.shape[:2], -1)
+    t91 = t88.reshape(*t88.shape[:2], -1)
+    t92 = torch.cat([t90, t91], dim=-1)
+    t93 = t87.reshape(*t87.shape[:2], -1)
+    t94 = t89.reshape(*t89.shape[:2], -1)
+    t95 = torch.cat([t93, t94], dim=-1)
+    t85[...] = oe.contract('abg,efg->eafb', t92, t95, optimize=[(0, 1)])
+    t96 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t97 = t96.view((d_V, d_K, d_V, d_V))
+    t98 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
+    t99 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t100 = oe.contract('ab,cdb,cde->aecd', t98, X, M_1, optimize=[(0, 1), (0, 1)])
+    t101 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t102 = oe.contract('ab,cdb,cde->aecd', t101, X, G, optimize=[(0, 1), (0, 1)])
+    t103 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t97[...] = oe.contract('abcd,efcd->aefb', t99, t100, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->eafb', t102, t103, optimize=[(0, 1)])
+    t104 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t105 = t104.view((d_V, d_V, d_V, d_K))
+    t106 = G.transpose(-1, -2)
+    t107 = (1/(math.sqrt(d_K)*n_batch)) * t106
+    t108 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t109 = oe.contract('abc,acd->bdac', t107, X, optimize=[(0, 1)])
+    t110 = M_1.transpose(-1, -2)
+    t111 = (1/(L*math.sqrt(d_K)*n_batch)) * t110
+    t112 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t113 = oe.contract('abc,acd->bdac', t111, X, optimize=[(0, 1)])
+    t105[...] = oe.contract('abcd,efcd->aefb', t108, t109, optimize=[(0, 1)])
+    t105 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t115 = t114.view((d_V, d_V, d_V, d_K))
+    t116 = oe.contract('abc,acd,de->beac', t107, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t117 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t118 = oe.contract('abc,acd,de->beac', t111, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t115[...] = oe.contract('abcd,efcd->eafb', t116, t117, optimize=[(0, 1)])
+    t115 += oe.contract('abcd,efcd->aefb', t118, t119, optimize=[(0, 1)])
+    t120 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t121 = t120.view((d_V, d_V, d_V, d_V))
+    t122 = (1/(L*n_batch)) * t110
+    t123 = oe.contract('abc,abcd->cdab', t11, dA17, optimize=[(0, 1)])
+    t124 = oe.contract('abc,acd->bdac', t122, M_1, optimize=[(0, 1)])
+    t121[...] = oe.contract('abcd,efcd->eafb', t123, t124, optimize=[(0, 1)])
     return H
 
 
@@ -9967,7 +10205,6 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*d_K*n_batch)) * t1
     t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
     t20 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     F = t12
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
@@ -9986,6 +10223,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(d_K*n_batch)) * t1
     t31 = oe.contract('ab,cdbe,ea->acd', t30, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t32 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -10071,24 +10309,33 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t12
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t10 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = t17 @ t2
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t10 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t17 @ t2
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t29, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdbe,ef->afcd', t30, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t33 = t19.reshape(*t19.shape[:2], -1)
+    t34 = t31.reshape(*t31.shape[:2], -1)
+    t35 = torch.cat([t33, t34], dim=-1)
+    t36 = t20.reshape(*t20.shape[:2], -1)
+    t37 = t32.reshape(*t32.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
     return out
 
 
@@ -10149,61 +10396,66 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = t9 * A13
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t26 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = oe.contract('abc,cd->abcd', A32, t33, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A32, A32, optimize=[(0, 1)])
-    t35 = (1/(L*d_K*n_batch)) * t3
-    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t35, M_2, W_V, t10, dA34, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t30 = (1/(L*d_K*n_batch)) * t1
+    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t30, M_2, W_V, t9, dA29, t17, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = t0.diagonal(0, 1, 3)
+    t34 = t21 @ X
+    t35 = t2 @ t34
+    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t38 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t39 = t24.reshape(*t24.shape[:2], -1)
+    t40 = t31.reshape(*t31.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t42 = t25.reshape(*t25.shape[:2], -1)
+    t43 = t32.reshape(*t32.shape[:2], -1)
+    t44 = torch.cat([t42, t43], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t41, t44, optimize=[(0, 1)])
+    t33 += oe.contract('a,bc->bca', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -10291,18 +10543,20 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t17, M_2, X, W_V, t10, dA16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t17, M_2, W_V, t10, dA16, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
     F = t12
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t10 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t25 = oe.contract('ab,cdeb->aecd', t23, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t10 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t26 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cdeb->aecd', t25, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -10383,7 +10637,6 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde,ea->acd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     F = t13
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
@@ -10400,7 +10653,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t31 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t31, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t32 = oe.contract('ab,cbd,cde,ea->acd', t31, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -10460,9 +10716,8 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -10488,33 +10743,41 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
-    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t28
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cbd,cde->aecd', t24, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
-    t37 = (1/(L*d_K*n_batch)) * t28
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t37, M_2, X, W_V, t10, dA36, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t18, dA30, t10, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t33 = oe.contract('ab,cdb,cde->aecd', t31, X, X, optimize=[(0, 1), (0, 1)])
+    t34 = t0.diagonal(0, 1, 3)
+    t35 = t22.transpose(-1, -2)
+    t36 = t35 @ X
+    t37 = t2 @ t36
+    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc->bc', t37, optimize=[(0,)])
+    t41 = t25.reshape(*t25.shape[:2], -1)
+    t42 = t32.reshape(*t32.shape[:2], -1)
+    t43 = torch.cat([t41, t42], dim=-1)
+    t44 = t26.reshape(*t26.shape[:2], -1)
+    t45 = t33.reshape(*t33.shape[:2], -1)
+    t46 = torch.cat([t44, t45], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t43, t46, optimize=[(0, 1)])
+    t34 += oe.contract('a,bc->bca', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -10608,7 +10871,6 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde,ef->afcd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     F = t13
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
@@ -10627,7 +10889,13 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(d_K*n_batch)) * t1
     t32 = oe.contract('ab,cbd,cde,ef->afcd', t31, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = t20.reshape(*t20.shape[:2], -1)
+    t35 = t32.reshape(*t32.shape[:2], -1)
+    t36 = torch.cat([t34, t35], dim=-1)
+    t37 = t21.reshape(*t21.shape[:2], -1)
+    t38 = t33.reshape(*t33.shape[:2], -1)
+    t39 = torch.cat([t37, t38], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
     return out
 
 
@@ -10715,18 +10983,20 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t18, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t11, dA17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t18, X, M_1, optimize=[(0, 1), (0, 1)])
     F = t13
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t11 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t25 = oe.contract('ab,cdb,cde->aecd', t24, X, G, optimize=[(0, 1), (0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t11 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('ab,cdb,cde->aecd', t26, X, G, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -10871,7 +11141,6 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
     t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     t22 = M_1.transpose(-1, -2)
     t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -10882,6 +11151,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
     t29 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA26, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -10967,7 +11237,6 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
     t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = M_1.transpose(-1, -2)
     t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -10978,6 +11247,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
     t29 = oe.contract('abc,acd,de->beac', t28, X, W_Q, optimize=[(1, 2), (0, 1)])
     t30 = oe.contract('abc,abcd,de,abef->cfab', t2, dA26, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -11054,7 +11324,9 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
     t16 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t11, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abcd->cdab', t11, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11646,46 +11918,56 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t28, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = W_Q.transpose(-1, -2)
-    t32 = (1/(L*d_K*n_batch)) * t31
-    t30[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t32, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t21, M_2, W_V, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t30, M_2, W_V, t13, dA19, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t32 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = oe.contract('ab,cdb,cde,ef->afcd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t39 = (1/(L*math.sqrt(d_K)*n_batch)) * t31
-    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t39, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = M_1.transpose(-1, -2)
-    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t42
-    t44 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
-    t41[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t48 = oe.contract('abc,acd,de->beac', t43, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t49 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51 = t50.view((d_V, d_V, d_V, d_V))
-    t52 = (1/(L*n_batch)) * t42
-    t51[...] = oe.contract('abc,acd,acde,acf->bdfe', t52, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t35 = W_Q.transpose(-1, -2)
+    t36 = (1/(L*d_K*n_batch)) * t35
+    t37 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA19, t13, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,cdb,cde->aecd', t36, X, X, optimize=[(0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = oe.contract('ab,cdb,cde,ef->afcd', t36, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t35
+    t46 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('ab,cdb,cde->aecd', t45, X, M_1, optimize=[(0, 1), (0, 1)])
+    t44[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = M_1.transpose(-1, -2)
+    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t50
+    t52 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t53 = oe.contract('abc,acd->bdac', t51, X, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t56 = oe.contract('abc,acd,de->beac', t51, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t57 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = t58.view((d_V, d_V, d_V, d_V))
+    t60 = (1/(L*n_batch)) * t50
+    t61 = oe.contract('abc,abcd->cdab', t13, dA19, optimize=[(0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t60, M_1, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
     return H
 
 
@@ -11911,7 +12193,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -12064,7 +12348,9 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, W_V, t12, dA18, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t19, M_2, W_V, t12, dA18, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -12218,7 +12504,9 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA19, t13, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdb,cde->aecd', t21, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12375,7 +12663,9 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -12672,7 +12962,9 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t18 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t18, t13, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abcd->cdab', t13, dA, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -12750,65 +13042,67 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t24 @ X
-    t31 = t3 @ t30
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t29 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
-    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t27 = oe.contract('ab,cdbe,ef->afcd', t26, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t33 = t30.diagonal(0, 1, 3)
+    t34 = t24 @ X
+    t35 = t3 @ t34
+    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t38 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 += oe.contract('a,bc->bca', t37, t38, optimize=[(0, 1)])
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
-    t37[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t31.transpose(-1, -2)
-    t43 += oe.contract('abc,d->bcd', t44, t33, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_K, d_V, d_K))
-    t51 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t52 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t50[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54 = t53.view((d_V, d_K, d_V, d_V))
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t56 = oe.contract('ab,cdb,cde->aecd', t55, X, G, optimize=[(0, 1), (0, 1)])
-    t57 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t54[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = t58.view((d_V, d_V, d_V, d_K))
-    t60 = G.transpose(-1, -2)
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t62 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
-    t59[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t65 = t64.view((d_V, d_V, d_V, d_K))
-    t66 = oe.contract('abc,acd,de->beac', t61, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t67 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68[...] = 0
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t42 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdeb->aecd', t41, M_2, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = W_Q.transpose(-1, -2)
+    t47 = (1/(d_K*n_batch)) * t46
+    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
+    t50 = t45.diagonal(0, 1, 3)
+    t51 = t35.transpose(-1, -2)
+    t52 = oe.contract('abc->bc', t51, optimize=[(0,)])
+    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 += oe.contract('a,bc->bca', t37, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = t53.view((d_V, d_K, d_V, d_K))
+    t55 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58 = t57.view((d_V, d_K, d_V, d_V))
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t46
+    t60 = oe.contract('ab,cdb,cde->aecd', t59, X, G, optimize=[(0, 1), (0, 1)])
+    t61 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t63 = t62.view((d_V, d_V, d_V, d_K))
+    t64 = G.transpose(-1, -2)
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t64
+    t66 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t65, X, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_V, d_V, d_V, d_K))
+    t70 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t71 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72[...] = 0
     return H
 
 
@@ -13075,7 +13369,9 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = oe.contract('ab,cdbe,ef->afcd', t25, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -13129,50 +13425,50 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t12 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t11 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t3
-    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t28 = t0.diagonal(0, 1, 3)
+    t29 = t23 @ X
+    t30 = t2 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -13343,7 +13639,9 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = oe.contract('ab,cbd,cde,ea->acd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -13396,9 +13694,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -13426,22 +13723,23 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
-    t25 = t24.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = W_Q.transpose(-1, -2)
-    t31 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t30
-    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
+    t29 = t0.diagonal(0, 1, 3)
+    t30 = t24.transpose(-1, -2)
+    t31 = t30 @ X
+    t32 = t2 @ t31
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -13906,100 +14204,132 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t21, M_2, W_V, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t15
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t13 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = t20 @ t3
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdim=True)
-    t30 = A * t29
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t20 @ t3
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t32, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t31, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = t30 @ X
-    t36 = t3 @ t35
-    t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t34 += oe.contract('abc,d->bcd', t36, t38, optimize=[(0, 1)])
-    t39 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t40 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t42 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
-    t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t44[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t45, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t47 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cdeb->aecd', t46, M_2, optimize=[(0, 1)])
-    t44 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t49[...] = 0
-    t50 = t49.view((d_V, d_K, d_V, d_K))
-    t51 = t50.diagonal(0, 1, 3)
-    t52 = t36.transpose(-1, -2)
-    t51 += oe.contract('abc,d->bcd', t52, t38, optimize=[(0, 1)])
-    t53 = W_Q.transpose(-1, -2)
-    t54 = (1/(d_K*n_batch)) * t53
-    t55 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t56 = oe.contract('ab,cbd,cde->aecd', t54, t3, X, optimize=[(0, 1), (0, 1)])
-    t50 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = (1/(L*d_K*n_batch)) * t53
-    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t57, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = t58.view((d_V, d_K, d_V, d_K))
-    t60 = oe.contract('ab,cdb,cde,ef->afcd', t57, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t59[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = oe.contract('ab,cbd,cde,ef->afcd', t54, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t59 += oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = t64.view((d_V, d_K, d_V, d_V))
-    t66 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t65[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t66, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t68 = oe.contract('ab,cdb,cde->aecd', t67, X, G, optimize=[(0, 1), (0, 1)])
-    t69 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t65 += oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t71 = t70.view((d_V, d_V, d_V, d_K))
-    t72 = G.transpose(-1, -2)
-    t73 = (1/(math.sqrt(d_K)*n_batch)) * t72
-    t74 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t75 = oe.contract('abc,acd->bdac', t73, X, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = M_1.transpose(-1, -2)
-    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t76
-    t78 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t79 = oe.contract('abc,acd->bdac', t77, X, optimize=[(0, 1)])
-    t71 += oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
-    t80 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t81 = t80.view((d_V, d_V, d_V, d_K))
-    t82 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t83 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t81[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
-    t84 = oe.contract('abc,acd,de->beac', t77, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t85 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t81 += oe.contract('abcd,efcd->aefb', t84, t85, optimize=[(0, 1)])
-    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t87 = t86.view((d_V, d_V, d_V, d_V))
-    t88 = (1/(L*n_batch)) * t76
-    t87[...] = oe.contract('abc,acd,acde,acf->bdfe', t88, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t2
+    t34 = oe.contract('ab,cdbe,ef->afcd', t33, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t35 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t36 = t22.reshape(*t22.shape[:2], -1)
+    t37 = t34.reshape(*t34.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t39 = t23.reshape(*t23.shape[:2], -1)
+    t40 = t35.reshape(*t35.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
+    t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t45 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
+    t46 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t47 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = t43.diagonal(0, 1, 3)
+    t49 = t32 @ X
+    t50 = t3 @ t49
+    t51 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t51
+    t53 = oe.contract('abc->bc', t50, optimize=[(0,)])
+    t54 = t44.reshape(*t44.shape[:2], -1)
+    t55 = t46.reshape(*t46.shape[:2], -1)
+    t56 = torch.cat([t54, t55], dim=-1)
+    t57 = t45.reshape(*t45.shape[:2], -1)
+    t58 = t47.reshape(*t47.shape[:2], -1)
+    t59 = torch.cat([t57, t58], dim=-1)
+    t43[...] = oe.contract('abg,efg->aefb', t56, t59, optimize=[(0, 1)])
+    t48 += oe.contract('a,bc->bca', t52, t53, optimize=[(0, 1)])
+    t60 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61 = t60.view((d_V, d_K, d_V, d_V))
+    t62 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t63 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t62, M_2, W_V, t13, dA19, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t66 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t67 = oe.contract('ab,cdeb->aecd', t65, M_2, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t61 += oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_V, d_K))
+    t70 = W_Q.transpose(-1, -2)
+    t71 = (1/(d_K*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('ab,cbd,cde->aecd', t71, t3, X, optimize=[(0, 1), (0, 1)])
+    t74 = (1/(L*d_K*n_batch)) * t70
+    t75 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA19, t13, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t76 = oe.contract('ab,cdb,cde->aecd', t74, X, X, optimize=[(0, 1), (0, 1)])
+    t77 = t69.diagonal(0, 1, 3)
+    t78 = t50.transpose(-1, -2)
+    t79 = oe.contract('abc->bc', t78, optimize=[(0,)])
+    t80 = t72.reshape(*t72.shape[:2], -1)
+    t81 = t75.reshape(*t75.shape[:2], -1)
+    t82 = torch.cat([t80, t81], dim=-1)
+    t83 = t73.reshape(*t73.shape[:2], -1)
+    t84 = t76.reshape(*t76.shape[:2], -1)
+    t85 = torch.cat([t83, t84], dim=-1)
+    t69[...] = oe.contract('abg,efg->aefb', t82, t85, optimize=[(0, 1)])
+    t77 += oe.contract('a,bc->bca', t52, t79, optimize=[(0, 1)])
+    t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t87 = t86.view((d_V, d_K, d_V, d_K))
+    t88 = oe.contract('ab,cdb,cde,ef->afcd', t74, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t89 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t90 = oe.contract('ab,cbd,cde,ef->afcd', t71, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t91 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t92 = t88.reshape(*t88.shape[:2], -1)
+    t93 = t90.reshape(*t90.shape[:2], -1)
+    t94 = torch.cat([t92, t93], dim=-1)
+    t95 = t89.reshape(*t89.shape[:2], -1)
+    t96 = t91.reshape(*t91.shape[:2], -1)
+    t97 = torch.cat([t95, t96], dim=-1)
+    t87[...] = oe.contract('abg,efg->eafb', t94, t97, optimize=[(0, 1)])
+    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t99 = t98.view((d_V, d_K, d_V, d_V))
+    t100 = (1/(L*math.sqrt(d_K)*n_batch)) * t70
+    t101 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t102 = oe.contract('ab,cdb,cde->aecd', t100, X, M_1, optimize=[(0, 1), (0, 1)])
+    t103 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t104 = oe.contract('ab,cdb,cde->aecd', t103, X, G, optimize=[(0, 1), (0, 1)])
+    t105 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t99[...] = oe.contract('abcd,efcd->aefb', t101, t102, optimize=[(0, 1)])
+    t99 += oe.contract('abcd,efcd->eafb', t104, t105, optimize=[(0, 1)])
+    t106 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t107 = t106.view((d_V, d_V, d_V, d_K))
+    t108 = G.transpose(-1, -2)
+    t109 = (1/(math.sqrt(d_K)*n_batch)) * t108
+    t110 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t111 = oe.contract('abc,acd->bdac', t109, X, optimize=[(0, 1)])
+    t112 = M_1.transpose(-1, -2)
+    t113 = (1/(L*math.sqrt(d_K)*n_batch)) * t112
+    t114 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t115 = oe.contract('abc,acd->bdac', t113, X, optimize=[(0, 1)])
+    t107[...] = oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
+    t107 += oe.contract('abcd,efcd->eafb', t114, t115, optimize=[(0, 1)])
+    t116 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t117 = t116.view((d_V, d_V, d_V, d_K))
+    t118 = oe.contract('abc,acd,de->beac', t109, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t120 = oe.contract('abc,acd,de->beac', t113, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t121 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t117[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t117 += oe.contract('abcd,efcd->aefb', t120, t121, optimize=[(0, 1)])
+    t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t123 = t122.view((d_V, d_V, d_V, d_V))
+    t124 = (1/(L*n_batch)) * t112
+    t125 = oe.contract('abc,abcd->cdab', t13, dA19, optimize=[(0, 1)])
+    t126 = oe.contract('abc,acd->bdac', t124, M_1, optimize=[(0, 1)])
+    t123[...] = oe.contract('abcd,efcd->eafb', t125, t126, optimize=[(0, 1)])
     return H
 
 
@@ -14194,7 +14524,6 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
     t22 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     F = t14
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -14213,6 +14542,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = (1/(d_K*n_batch)) * t1
     t33 = oe.contract('ab,cdbe,ea->acd', t32, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t34 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
     return out
 
@@ -14302,24 +14632,33 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t12 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t19 @ t2
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t12 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t19 @ t2
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t31, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t30, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdbe,ef->afcd', t32, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t35 = t21.reshape(*t21.shape[:2], -1)
+    t36 = t33.reshape(*t33.shape[:2], -1)
+    t37 = torch.cat([t35, t36], dim=-1)
+    t38 = t22.reshape(*t22.shape[:2], -1)
+    t39 = t34.reshape(*t34.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t37, t40, optimize=[(0, 1)])
     return out
 
 
@@ -14382,63 +14721,68 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t12 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t11 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t3
-    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t28 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
-    t37 = (1/(L*d_K*n_batch)) * t3
-    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t39 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t37, M_2, W_V, t12, dA36, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    dA31 = oe.contract('abc,cd->abcd', A29, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A29, A29, optimize=[(0, 1)])
+    t32 = (1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t32, M_2, W_V, t11, dA31, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t35 = t0.diagonal(0, 1, 3)
+    t36 = t23 @ X
+    t37 = t2 @ t36
+    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc->bc', t37, optimize=[(0,)])
+    t41 = t26.reshape(*t26.shape[:2], -1)
+    t42 = t33.reshape(*t33.shape[:2], -1)
+    t43 = torch.cat([t41, t42], dim=-1)
+    t44 = t27.reshape(*t27.shape[:2], -1)
+    t45 = t34.reshape(*t34.shape[:2], -1)
+    t46 = torch.cat([t44, t45], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t43, t46, optimize=[(0, 1)])
+    t35 += oe.contract('a,bc->bca', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -14530,18 +14874,20 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, W_V, t12, dA18, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t19, M_2, W_V, t12, dA18, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
     F = t14
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t12 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t26 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cdeb->aecd', t25, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t12 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t28 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cdeb->aecd', t27, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -14626,7 +14972,6 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     F = t15
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
@@ -14643,7 +14988,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t33 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t33, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t34 = oe.contract('ab,cbd,cde,ea->acd', t33, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -14705,9 +15053,8 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -14735,33 +15082,41 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
-    t25 = t24.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = W_Q.transpose(-1, -2)
-    t31 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t30
-    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t35 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A36 = t35 / t35.sum(-1, keepdim=True)
-    t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = oe.contract('abc,cd->abcd', A36, t37, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A36, A36, optimize=[(0, 1)])
-    t39 = (1/(L*d_K*n_batch)) * t30
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t39, M_2, X, W_V, t12, dA38, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA32 = oe.contract('abc,cd->abcd', A30, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A30, A30, optimize=[(0, 1)])
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t20, dA32, t12, W_V, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdb,cde->aecd', t33, X, X, optimize=[(0, 1), (0, 1)])
+    t36 = t0.diagonal(0, 1, 3)
+    t37 = t24.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t2 @ t38
+    t40 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = oe.contract('abc->bc', t39, optimize=[(0,)])
+    t43 = t27.reshape(*t27.shape[:2], -1)
+    t44 = t34.reshape(*t34.shape[:2], -1)
+    t45 = torch.cat([t43, t44], dim=-1)
+    t46 = t28.reshape(*t28.shape[:2], -1)
+    t47 = t35.reshape(*t35.shape[:2], -1)
+    t48 = torch.cat([t46, t47], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t45, t48, optimize=[(0, 1)])
+    t36 += oe.contract('a,bc->bca', t41, t42, optimize=[(0, 1)])
     return out
 
 
@@ -14859,7 +15214,6 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = oe.contract('ab,cdb,cde,ef->afcd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     F = t15
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
@@ -14878,7 +15232,13 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t33 = (1/(d_K*n_batch)) * t1
     t34 = oe.contract('ab,cbd,cde,ef->afcd', t33, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t35 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = t22.reshape(*t22.shape[:2], -1)
+    t37 = t34.reshape(*t34.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t39 = t23.reshape(*t23.shape[:2], -1)
+    t40 = t35.reshape(*t35.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
     return out
 
 
@@ -14970,18 +15330,20 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t13, dA19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, M_1, optimize=[(0, 1), (0, 1)])
     F = t15
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t13 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t27 = oe.contract('ab,cdb,cde->aecd', t26, X, G, optimize=[(0, 1), (0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t13 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('ab,cdb,cde->aecd', t28, X, G, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -15134,7 +15496,6 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
     t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     t24 = M_1.transpose(-1, -2)
     t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -15145,6 +15506,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA28, t29, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -15234,7 +15596,6 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
     t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t24 = M_1.transpose(-1, -2)
     t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -15245,6 +15606,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
     t32 = oe.contract('abc,abcd,de,abef->cfab', t2, dA28, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -15325,7 +15687,9 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t18 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t18, t13, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abcd->cdab', t13, dA, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 

@@ -92,7 +92,8 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t19 = t14 @ t10
     t20 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t21 = (2/(L*d_V*n_batch)) * t20
-    t18 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t18 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     return H
 
 
@@ -263,7 +264,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
+    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -342,7 +344,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
+    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -654,7 +657,6 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t9 = t8.view((d_V, d_ff, d_ff, d_V))
     t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t11 = t9.diagonal(0, 1, 2)
     t12 = t10 @ W_2
     F = t12
@@ -664,19 +666,20 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t15 = (1/n_batch) * t2
     t16 = oe.contract('abc,acd->bdac', t15, t4, optimize=[(0, 1)])
     t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t11 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t19 = t18.view((d_ff, d_V, d_V, d_ff))
     t20 = t3.transpose(-1, -2)
     t21 = t10.transpose(-1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
-    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t23 = t19.diagonal(0, 0, 3)
     t24 = G.transpose(-1, -2)
     t25 = t4.transpose(-1, -2)
     t26 = (1/n_batch) * t24
     t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
     t28 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t23 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
     t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t29[...] = 0
@@ -685,7 +688,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t32 = t21 @ t10
     t33 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t34 = (2/(L*d_V*n_batch)) * t33
-    t31 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
+    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
+    t31 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     return H
 
 
@@ -839,7 +843,6 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t5 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t6 = t0.diagonal(0, 1, 2)
     t7 = t4 @ W_2
     F = t7
@@ -849,6 +852,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t10 = (1/n_batch) * t1
     t11 = oe.contract('abc,acd->bdac', t10, t3, optimize=[(0, 1)])
     t12 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     t6 += oe.contract('abcd,ecd->aeb', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -890,7 +894,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
+    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -927,7 +932,6 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t10 = t0.diagonal(0, 0, 3)
     t11 = t4.transpose(-1, -2)
     t12 = t11 @ W_2
@@ -939,6 +943,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t16 = (1/n_batch) * t15
     t17 = oe.contract('abc,adc->bdac', t16, t7, optimize=[(0, 1)])
     t18 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t10 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
     return out
 
@@ -988,7 +993,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
+    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1148,7 +1154,7 @@ def bias0_residual0__jacobian__W_2(X, W_1, W_2):
     t2 = out.view((n_batch, L, d_V, d_ff, d_V,))
     t3 = t2.diagonal(0, -3, -1)
     t4 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t3[...] = oe.contract('abc,d->abcd', t1, t4, optimize=[(0, 1)])
+    t3[...] = oe.contract('a,bcd->bcda', t4, t1, optimize=[(0, 1)])
     return out
 
 
@@ -1252,7 +1258,9 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
     t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t26 = t25.view((d_ff, d_V, d_ff, d_V))
-    t26[...] = oe.contract('abc,acd,acde,acf->bdfe', t23, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t23, t7, optimize=[(0, 1)])
+    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return H
 
 
@@ -1608,7 +1616,9 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1973,7 +1983,6 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t16 = t15.view((d_V, d_ff, d_ff, d_V))
     t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
     t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
-    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     t19 = t16.diagonal(0, 1, 2)
     F = t8
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -1985,6 +1994,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t25 = (1/n_batch) * t2
     t26 = oe.contract('abc,acd->bdac', t25, t4, optimize=[(0, 1)])
     t27 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     t19 += oe.contract('abcd,ecd->aeb', t26, t27, optimize=[(0, 1)])
     t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t29 = t28.view((d_ff, d_V, d_V, d_ff))
@@ -1992,16 +2002,18 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t31 = t7.transpose(-1, -2)
     t32 = (1/(L*n_batch)) * t31
     t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
     t34 = t29.diagonal(0, 0, 3)
     t35 = G.transpose(-1, -2)
     t36 = t4.transpose(-1, -2)
     t37 = (1/n_batch) * t35
     t38 = oe.contract('abc,adc->bdac', t37, t36, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
     t34 += oe.contract('abcd,ecd->aeb', t38, t14, optimize=[(0, 1)])
     t39 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t40 = t39.view((d_ff, d_V, d_ff, d_V))
-    t40[...] = oe.contract('abc,acd,acde,acf->bdfe', t32, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t41 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t42 = oe.contract('abc,acd->bdac', t32, t7, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
     return H
 
 
@@ -2216,7 +2228,6 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t10 = (1/(L*n_batch)) * t1
     t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
     t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     t13 = t0.diagonal(0, 1, 2)
     F = t7
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2228,6 +2239,7 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t19 = (1/n_batch) * t1
     t20 = oe.contract('abc,acd->bdac', t19, t3, optimize=[(0, 1)])
     t21 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     t13 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -2342,7 +2354,6 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t15 = (1/(L*n_batch)) * t4
     t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
     t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     t18 = t0.diagonal(0, 0, 3)
     F = t9
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2354,6 +2365,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t24 = G.transpose(-1, -2)
     t25 = (1/n_batch) * t24
     t26 = oe.contract('abc,adc->bdac', t25, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     t18 += oe.contract('abcd,ecd->aeb', t26, t17, optimize=[(0, 1)])
     return out
 
@@ -2417,7 +2429,9 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 

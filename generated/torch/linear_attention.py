@@ -98,67 +98,84 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t15 = t14.view((d_V, d_K, d_V, d_K))
-    t16 = X @ W_Q
-    t17 = t2 @ t16
-    t18 = t11.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = (2/(L*d_K*d_V*n_batch)) * t17
-    t15[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = t21.view((d_V, d_K, d_V, d_V))
-    t23 = t16 @ t5
-    t24 = (1/math.sqrt(d_K)) * t23
-    T = t24
-    t25 = T @ X
-    t26 = t2 @ t25
-    t27 = t7.transpose(-1, -2)
-    t28 = t5 @ t27
-    t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t26
-    t22[...] = oe.contract('abc,ade->bdce', t29, t28, optimize=[(0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t32 = t19.transpose(-1, -2)
-    t33 = t17.transpose(-1, -2)
-    t34 = (2/(L*d_K*d_V*n_batch)) * t32
-    t31[...] = oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = t9 @ X
-    t38 = t2 @ t37
-    t39 = t16.transpose(-1, -2)
-    t40 = t39 @ t16
-    t41 = (2/(L*d_K*d_V*n_batch)) * t38
-    t36[...] = oe.contract('abc,ade->bdce', t41, t40, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = t42.view((d_V, d_K, d_V, d_V))
-    t44 = t2 @ t27
-    t45 = t39 @ t25
-    t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
-    t43[...] = oe.contract('abc,ade->bdec', t46, t45, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = t26.transpose(-1, -2)
-    t50 = t28.transpose(-1, -2)
-    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t49
-    t48[...] = oe.contract('abc,ade->bdce', t51, t50, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_V, d_V, d_K))
-    t54 = t45.transpose(-1, -2)
-    t55 = t44.transpose(-1, -2)
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = t16.view((d_V, d_K, d_V, d_K))
+    t18 = X @ W_Q
+    t19 = t2 @ t18
+    t20 = t11.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = (2/(L*d_K*d_V*n_batch)) * t19
+    t23 = oe.contract('abc->bca', t22, optimize=[(0,)])
+    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t17[...] = oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = t25.view((d_V, d_K, d_V, d_V))
+    t27 = t18 @ t5
+    t28 = (1/math.sqrt(d_K)) * t27
+    T = t28
+    t29 = T @ X
+    t30 = t2 @ t29
+    t31 = t7.transpose(-1, -2)
+    t32 = t5 @ t31
+    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t30
+    t34 = oe.contract('abc->bca', t32, optimize=[(0,)])
+    t35 = oe.contract('abc->bca', t33, optimize=[(0,)])
+    t26[...] = oe.contract('abc,dec->daeb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t38 = t21.transpose(-1, -2)
+    t39 = t19.transpose(-1, -2)
+    t40 = (2/(L*d_K*d_V*n_batch)) * t38
+    t41 = oe.contract('abc->bca', t40, optimize=[(0,)])
+    t42 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t37[...] = oe.contract('abc,dec->adeb', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_V, d_K))
+    t45 = t9 @ X
+    t46 = t2 @ t45
+    t47 = t18.transpose(-1, -2)
+    t48 = t47 @ t18
+    t49 = (2/(L*d_K*d_V*n_batch)) * t46
+    t50 = oe.contract('abc->bca', t48, optimize=[(0,)])
+    t51 = oe.contract('abc->bca', t49, optimize=[(0,)])
+    t44[...] = oe.contract('abc,dec->daeb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = t2 @ t31
+    t55 = t47 @ t29
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
-    t53[...] = oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57[...] = 0
-    t58 = t57.view((d_V, d_V, d_V, d_V))
-    t59 = t58.diagonal(0, 1, 3)
-    t60 = t25.transpose(-1, -2)
-    t61 = t60 @ t25
-    t62 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t63 = (2/(L*d_V*n_batch)) * t62
-    t59 += oe.contract('abc,d->bcd', t61, t63, optimize=[(0, 1)])
+    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t58 = oe.contract('abc->bca', t55, optimize=[(0,)])
+    t53[...] = oe.contract('abc,dec->adeb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t60 = t59.view((d_V, d_V, d_V, d_K))
+    t61 = t30.transpose(-1, -2)
+    t62 = t32.transpose(-1, -2)
+    t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t61
+    t64 = oe.contract('abc->bca', t62, optimize=[(0,)])
+    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
+    t60[...] = oe.contract('abc,dec->daeb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t67 = t66.view((d_V, d_V, d_V, d_K))
+    t68 = t55.transpose(-1, -2)
+    t69 = t54.transpose(-1, -2)
+    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
+    t71 = oe.contract('abc->bca', t70, optimize=[(0,)])
+    t72 = oe.contract('abc->bca', t69, optimize=[(0,)])
+    t67[...] = oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t73[...] = 0
+    t74 = t73.view((d_V, d_V, d_V, d_V))
+    t75 = t74.diagonal(0, 1, 3)
+    t76 = t29.transpose(-1, -2)
+    t77 = t76 @ t29
+    t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t80 = oe.contract('abc->bc', t77, optimize=[(0,)])
+    t75 += oe.contract('a,bc->bca', t79, t80, optimize=[(0, 1)])
     return H
 
 
@@ -286,7 +303,9 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -330,7 +349,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -376,7 +397,9 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t5 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -422,7 +445,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t3 @ t9
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
+    t12 = oe.contract('abc->bca', t10, optimize=[(0,)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -468,7 +493,9 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -512,7 +539,9 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t1
     t11 = t10 @ X
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -558,7 +587,9 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -606,7 +637,9 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ X
     t12 = t5 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -655,7 +688,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -702,7 +736,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t3.transpose(-1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -754,7 +790,9 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t12 @ X
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
-    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -806,7 +844,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -864,41 +903,50 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t3 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = t20.view((d_V, d_K, d_V, d_V))
-    t22 = t4 @ G
-    t23 = t6 @ X
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t21[...] = oe.contract('abc,ade->bdec', t24, t23, optimize=[(0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t17.transpose(-1, -2)
-    t27 += oe.contract('abc,d->bcd', t28, t19, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
-    t32 = t4 @ X
-    t33 = W_Q.transpose(-1, -2)
-    t34 = t33 @ t4
-    t35 = t34 @ G
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t31[...] = oe.contract('abc,ade->bdce', t36, t35, optimize=[(0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t38 = t37.view((d_V, d_V, d_V, d_K))
-    t39 = t23.transpose(-1, -2)
-    t40 = t22.transpose(-1, -2)
-    t41 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t38[...] = oe.contract('abc,ade->bdec', t41, t40, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = t35.transpose(-1, -2)
-    t43[...] = oe.contract('abc,ade->bdce', t36, t44, optimize=[(0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
+    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t3 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = t21.view((d_V, d_K, d_V, d_V))
+    t23 = t4 @ G
+    t24 = t6 @ X
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t26 = oe.contract('abc->bca', t25, optimize=[(0,)])
+    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
+    t22[...] = oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t17.transpose(-1, -2)
+    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t30 += oe.contract('a,bc->bca', t19, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t36 = t4 @ X
+    t37 = W_Q.transpose(-1, -2)
+    t38 = t37 @ t4
+    t39 = t38 @ G
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t41 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t42 = oe.contract('abc->bca', t40, optimize=[(0,)])
+    t35[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t45 = t24.transpose(-1, -2)
+    t46 = t23.transpose(-1, -2)
+    t47 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t48 = oe.contract('abc->bca', t47, optimize=[(0,)])
+    t49 = oe.contract('abc->bca', t46, optimize=[(0,)])
+    t44[...] = oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t51 = t50.view((d_V, d_V, d_V, d_K))
+    t52 = t39.transpose(-1, -2)
+    t53 = oe.contract('abc->bca', t52, optimize=[(0,)])
+    t51[...] = oe.contract('abc,dec->daeb', t53, t42, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54[...] = 0
     return H
 
 
@@ -1069,7 +1117,8 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t1 += oe.contract('abc,d->bcd', t15, t17, optimize=[(0, 1)])
+    t18 = oe.contract('abc->bc', t15, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1125,7 +1174,9 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = t1 @ G
     t12 = t3 @ X
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1205,7 +1256,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bc', t16, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1284,7 +1336,9 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t4 @ G
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1361,7 +1415,9 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = t12 @ X
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1418,7 +1474,9 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = t12 @ t13
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t15, t14, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1491,105 +1549,111 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14[...] = 0
-    t15 = t14.view((d_V, d_K, d_V, d_K))
-    t16 = t15.diagonal(0, 1, 3)
-    t17 = W_Q @ t5
-    t18 = X @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    T = t19
-    t20 = t7.transpose(-1, -2)
-    t21 = T @ t20
-    F = t21
-    t22 = F - Y
-    t23 = (2/(L*d_V)) * t22
-    G = t23
-    t24 = G @ t7
-    t25 = t24 @ X
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
-    t16 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
-    t29 = X @ W_Q
-    t30 = t11.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = (2/(L*d_K*d_V*n_batch)) * t2
-    t33 = oe.contract('abc,acd->bda', t32, t29, optimize=[(0, 1)])
-    t34 = oe.contract('abc->bca', t31, optimize=[(0,)])
-    t15 += oe.contract('abc,dec->adeb', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = t5 @ X
-    t38 = T @ X
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t40 = oe.contract('abc,cd->bda', t37, W_V, optimize=[(0, 1)])
-    t41 = oe.contract('abc,acd->bda', t39, t38, optimize=[(0, 1)])
-    t36[...] = oe.contract('abc,dec->daeb', t40, t41, optimize=[(0, 1)])
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t43 = oe.contract('abc,acd->bda', t42, G, optimize=[(0, 1)])
-    t44 = oe.contract('abc->bca', t37, optimize=[(0,)])
-    t36 += oe.contract('abc,dec->adeb', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t45[...] = 0
-    t46 = t45.view((d_V, d_K, d_V, d_K))
-    t47 = t46.diagonal(0, 1, 3)
-    t48 = t2 @ t20
-    t49 = G.transpose(-1, -2)
-    t50 = t49 @ X
-    t51 = oe.contract('abc,acd->bd', t48, t50, optimize=[(0, 1)])
-    t47 += oe.contract('a,bc->bca', t27, t51, optimize=[(0, 1)])
-    t52 = t7 @ t10
-    t53 = t29.transpose(-1, -2)
-    t54 = t53 @ X
-    t55 = (2/(L*d_K*d_V*n_batch)) * t48
-    t56 = oe.contract('abc,acd->bda', t55, t52, optimize=[(0, 1)])
-    t57 = oe.contract('abc->bca', t54, optimize=[(0,)])
-    t46 += oe.contract('abc,dec->adeb', t56, t57, optimize=[(0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = t58.view((d_V, d_K, d_V, d_K))
-    t60 = t9 @ X
-    t61 = t2 @ t60
-    t62 = t53 @ t29
-    t63 = (2/(L*d_K*d_V*n_batch)) * t61
-    t59[...] = oe.contract('abc,ade->bdce', t63, t62, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = t64.view((d_V, d_K, d_V, d_V))
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t67 = oe.contract('abc,acd->bda', t66, G, optimize=[(0, 1)])
-    t68 = oe.contract('abc->bca', t3, optimize=[(0,)])
-    t65[...] = oe.contract('abc,dec->daeb', t67, t68, optimize=[(0, 1)])
-    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t53
-    t70 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd->bda', t69, t38, optimize=[(0, 1)])
-    t65 += oe.contract('abc,dec->adeb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = T.transpose(-1, -2)
-    t75 = t74 @ X
-    t73[...] = oe.contract('abc,acd,aef->bedf', t39, t75, t52, optimize=[(0, 1), (0, 1)])
-    t76 = oe.contract('abc,acd->bda', t42, t10, optimize=[(0, 1)])
-    t77 = oe.contract('abc->bca', t50, optimize=[(0,)])
-    t73 += oe.contract('abc,dec->adeb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t79 = t78.view((d_V, d_V, d_V, d_K))
-    t80 = t49 @ t29
-    t79[...] = oe.contract('abc,acd,aef->bedf', t42, X, t80, optimize=[(0, 1), (0, 1)])
-    t81 = t74 @ t29
-    t82 = t48.transpose(-1, -2)
-    t83 = oe.contract('abc,acd->bda', t39, t81, optimize=[(0, 1)])
-    t84 = oe.contract('abc->bca', t82, optimize=[(0,)])
-    t79 += oe.contract('abc,dec->adeb', t83, t84, optimize=[(0, 1)])
-    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85[...] = 0
-    t86 = t85.view((d_V, d_V, d_V, d_V))
-    t87 = t86.diagonal(0, 1, 3)
-    t88 = t38.transpose(-1, -2)
-    t89 = t88 @ t38
-    t90 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t91 = (2/(L*d_V*n_batch)) * t90
-    t87 += oe.contract('abc,d->bcd', t89, t91, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = t16.view((d_V, d_K, d_V, d_K))
+    t18 = X @ W_Q
+    t19 = t11.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = (2/(L*d_K*d_V*n_batch)) * t2
+    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t24 = t17.diagonal(0, 1, 3)
+    t25 = t18 @ t5
+    t26 = (1/math.sqrt(d_K)) * t25
+    T = t26
+    t27 = t7.transpose(-1, -2)
+    t28 = T @ t27
+    F = t28
+    t29 = F - Y
+    t30 = (2/(L*d_V)) * t29
+    G = t30
+    t31 = G @ t7
+    t32 = t31 @ X
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
+    t17[...] = oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t24 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t38 = t5 @ X
+    t39 = T @ X
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
+    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
+    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
+    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
+    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = t2 @ t27
+    t49 = t7 @ t10
+    t50 = t18.transpose(-1, -2)
+    t51 = t50 @ X
+    t52 = (2/(L*d_K*d_V*n_batch)) * t48
+    t53 = oe.contract('abc,acd->bda', t52, t49, optimize=[(0, 1)])
+    t54 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t55 = t47.diagonal(0, 1, 3)
+    t56 = G.transpose(-1, -2)
+    t57 = t56 @ X
+    t58 = oe.contract('abc,acd->bd', t48, t57, optimize=[(0, 1)])
+    t47[...] = oe.contract('abc,dec->adeb', t53, t54, optimize=[(0, 1)])
+    t55 += oe.contract('a,bc->bca', t34, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_K))
+    t61 = t9 @ X
+    t62 = t2 @ t61
+    t63 = t50 @ t18
+    t64 = (2/(L*d_K*d_V*n_batch)) * t62
+    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
+    t66 = oe.contract('abc->bca', t64, optimize=[(0,)])
+    t60[...] = oe.contract('abc,dec->daeb', t65, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = t67.view((d_V, d_K, d_V, d_V))
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t70 = oe.contract('abc,acd->bda', t69, G, optimize=[(0, 1)])
+    t71 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t73 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd->bda', t72, t39, optimize=[(0, 1)])
+    t68[...] = oe.contract('abc,dec->daeb', t70, t71, optimize=[(0, 1)])
+    t68 += oe.contract('abc,dec->adeb', t73, t74, optimize=[(0, 1)])
+    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t76 = t75.view((d_V, d_V, d_V, d_K))
+    t77 = T.transpose(-1, -2)
+    t78 = t77 @ X
+    t79 = oe.contract('abc->bca', t49, optimize=[(0,)])
+    t80 = oe.contract('abc,acd->bda', t40, t78, optimize=[(0, 1)])
+    t81 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
+    t82 = oe.contract('abc->bca', t57, optimize=[(0,)])
+    t76[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
+    t76 += oe.contract('abc,dec->adeb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t84 = t83.view((d_V, d_V, d_V, d_K))
+    t85 = t56 @ t18
+    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
+    t87 = oe.contract('abc,acd->bda', t43, X, optimize=[(0, 1)])
+    t88 = t77 @ t18
+    t89 = t48.transpose(-1, -2)
+    t90 = oe.contract('abc,acd->bda', t40, t88, optimize=[(0, 1)])
+    t91 = oe.contract('abc->bca', t89, optimize=[(0,)])
+    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
+    t84 += oe.contract('abc,dec->adeb', t90, t91, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t92[...] = 0
+    t93 = t92.view((d_V, d_V, d_V, d_V))
+    t94 = t93.diagonal(0, 1, 3)
+    t95 = t39.transpose(-1, -2)
+    t96 = t95 @ t39
+    t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t98 = (2/(L*d_V*n_batch)) * t97
+    t99 = oe.contract('abc->bc', t96, optimize=[(0,)])
+    t94 += oe.contract('a,bc->bca', t98, t99, optimize=[(0, 1)])
     return H
 
 
@@ -1748,7 +1812,9 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1792,7 +1858,9 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1825,37 +1893,37 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = X @ W_Q
     t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = t8.transpose(-1, -2)
-    t13 = G @ t12
-    t14 = t13 @ X
-    t15 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abc,acd->bd', t2, t14, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
-    t18 = X @ W_Q
-    t19 = t8 @ t12
-    t20 = t19 @ X
-    t21 = t4 @ t20
-    t22 = (2/(L*d_K*d_V*n_batch)) * t2
-    t23 = oe.contract('abc,acd->bda', t22, t18, optimize=[(0, 1)])
-    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t4 = t3 @ t1
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t1
+    t7 = W_V @ t6
+    t8 = X @ t7
+    t9 = t8 @ X
+    t10 = t4 @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('abc,acd->bda', t11, t2, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t10, optimize=[(0,)])
+    t14 = t0.diagonal(0, 1, 3)
+    t15 = t2 @ t4
+    t16 = (1/math.sqrt(d_K)) * t15
+    T = t16
+    t17 = t6.transpose(-1, -2)
+    t18 = T @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G @ t6
+    t22 = t21 @ X
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->adeb', t12, t13, optimize=[(0, 1)])
+    t14 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -1910,7 +1978,6 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
     t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
@@ -1919,6 +1986,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
     t17 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1968,7 +2036,9 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
+    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1999,39 +2069,37 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = X @ W_V
-    t4 = t2 @ t3
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = T @ t3
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = t13 @ X
-    t15 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abc,acd->bd', t4, t14, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
-    t18 = t3.transpose(-1, -2)
-    t19 = t6.transpose(-1, -2)
-    t20 = t18 @ t19
-    t21 = W_Q.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = t22 @ X
-    t24 = (2/(L*d_K*d_V*n_batch)) * t4
-    t25 = oe.contract('abc,acd->bda', t24, t20, optimize=[(0, 1)])
-    t26 = oe.contract('abc->bca', t23, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
+    t1 = X.transpose(-1, -2)
+    t2 = X @ W_V
+    t3 = t1 @ t2
+    t4 = t2.transpose(-1, -2)
+    t5 = X @ W_K
+    t6 = t4 @ t5
+    t7 = W_Q.transpose(-1, -2)
+    t8 = t7 @ t1
+    t9 = t8 @ X
+    t10 = (2/(L*d_K*d_V*n_batch)) * t3
+    t11 = oe.contract('abc,acd->bda', t10, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc->bca', t9, optimize=[(0,)])
+    t13 = t0.diagonal(0, 1, 3)
+    t14 = t8.transpose(-1, -2)
+    t15 = t5.transpose(-1, -2)
+    t16 = t14 @ t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    T = t17
+    t18 = T @ t2
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t3, t22, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->adeb', t11, t12, optimize=[(0, 1)])
+    t13 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2088,7 +2156,9 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2141,11 +2211,11 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t15 = oe.contract('abc,acd->bda', t14, G, optimize=[(0, 1)])
     t16 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t19 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
     t20 = oe.contract('abc,acd->bda', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
@@ -2199,7 +2269,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2245,19 +2316,21 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t3.transpose(-1, -2)
     t12 = t10 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t13, t8, t12, optimize=[(0, 1), (0, 1)])
-    t14 = t10.transpose(-1, -2)
-    t15 = T @ t14
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('abc,acd->bda', t20, t11, optimize=[(0, 1)])
-    t22 = oe.contract('abc->bca', t19, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t21, t22, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t15 = oe.contract('abc,acd->bda', t13, t8, optimize=[(0, 1)])
+    t16 = t10.transpose(-1, -2)
+    t17 = T @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('abc,acd->bda', t22, t11, optimize=[(0, 1)])
+    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2318,15 +2391,17 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = t11 @ t12
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t14, X, t13, optimize=[(0, 1), (0, 1)])
-    t15 = T.transpose(-1, -2)
-    t16 = t15 @ t12
-    t17 = t7.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t20 = oe.contract('abc,acd->bda', t19, t16, optimize=[(0, 1)])
-    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t16 = oe.contract('abc,acd->bda', t14, X, optimize=[(0, 1)])
+    t17 = T.transpose(-1, -2)
+    t18 = t17 @ t12
+    t19 = t7.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2384,7 +2459,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2799,7 +2875,7 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     t7 = out.view((n_batch, L, d_V, d_V, d_V,))
     t8 = t7.diagonal(0, -3, -1)
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t8[...] = oe.contract('abc,d->abcd', t6, t9, optimize=[(0, 1)])
+    t8[...] = oe.contract('a,bcd->bcda', t9, t6, optimize=[(0, 1)])
     return out
 
 
@@ -2906,57 +2982,66 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t4.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t12 = t11.view((d_V, d_K, d_V, d_K))
-    t13 = X @ W_Q
-    t14 = oe.contract('abc,acd->bdac', t2, t13, optimize=[(0, 1)])
-    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t17 = t16.view((d_V, d_K, d_V, d_V))
-    t18 = t13 @ t4
-    t19 = (1/math.sqrt(d_K)) * t18
-    T = t19
-    t20 = Mcausal * T
-    t21 = t20 @ X
-    t22 = t6.transpose(-1, -2)
-    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t24 = oe.contract('abc,acd->bdac', t4, t22, optimize=[(0, 1)])
-    t25 = oe.contract('abc,cd,ace->bead', t2, t23, t21, optimize=[(0, 1), (0, 1)])
-    t17[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t13.transpose(-1, -2)
-    t29 = Mcausal.transpose(-1, -2)
-    t30 = (2/(L*d_K*d_V*n_batch)) * t29
-    t27[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t28, t30, t8, t29, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = oe.contract('abc,acd->bdac', t28, t13, optimize=[(0, 1)])
-    t34 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t30, t8, t29, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
-    t36[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t28, t37, t22, t21, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = t21.transpose(-1, -2)
-    t41 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t42 = oe.contract('abc,cd,ace->bead', t40, t23, X, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t40, t6, t23, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    t46 = t45.view((d_V, d_V, d_V, d_V))
-    t47 = t46.diagonal(0, 1, 3)
-    t48 = t40 @ t21
-    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t50 = (2/(L*d_V*n_batch)) * t49
-    t47 += oe.contract('abc,d->bcd', t48, t50, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14 = t13.view((d_V, d_K, d_V, d_K))
+    t15 = X @ W_Q
+    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t19 = t18.view((d_V, d_K, d_V, d_V))
+    t20 = t15 @ t4
+    t21 = (1/math.sqrt(d_K)) * t20
+    T = t21
+    t22 = Mcausal * T
+    t23 = t22 @ X
+    t24 = t6.transpose(-1, -2)
+    t25 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t26 = oe.contract('abc,acd->bdac', t4, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,cd,ace->bead', t2, t25, t23, optimize=[(0, 1), (0, 1)])
+    t19[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t15.transpose(-1, -2)
+    t31 = Mcausal.transpose(-1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t33 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = oe.contract('abc,acd->bdac', t30, t15, optimize=[(0, 1)])
+    t38 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
+    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t42 = oe.contract('abc,cd,ace->bead', t2, t41, t24, optimize=[(0, 1), (0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t30, t23, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t45 = t44.view((d_V, d_V, d_V, d_K))
+    t46 = t23.transpose(-1, -2)
+    t47 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t48 = oe.contract('abc,cd,ace->bead', t46, t25, X, optimize=[(0, 1), (0, 1)])
+    t45[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t51 = oe.contract('abc,cd,ace->bead', t46, t25, t15, optimize=[(0, 1), (0, 1)])
+    t52 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
+    t50[...] = oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53[...] = 0
+    t54 = t53.view((d_V, d_V, d_V, d_V))
+    t55 = t54.diagonal(0, 1, 3)
+    t56 = t46 @ t23
+    t57 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t58 = (2/(L*d_V*n_batch)) * t57
+    t59 = oe.contract('abc->bc', t56, optimize=[(0,)])
+    t55 += oe.contract('a,bc->bca', t58, t59, optimize=[(0, 1)])
     return H
 
 
@@ -3114,7 +3199,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -3249,7 +3336,9 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3291,7 +3380,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_K
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t1, t3, t10, t8, t4, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3385,7 +3476,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = Mcausal * T
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = oe.contract('abc,cd,ace->bead', t1, t13, t5, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t3, t12, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3439,7 +3532,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3547,7 +3641,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,cd,ace->bead', t10, t14, t13, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3604,7 +3700,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3669,40 +3766,46 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t3 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = t22.view((d_V, d_K, d_V, d_V))
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t23[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t24, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t19.transpose(-1, -2)
-    t27 += oe.contract('abc,d->bcd', t28, t21, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
-    t32 = W_Q.transpose(-1, -2)
-    t33 = t32 @ t4
-    t34 = Mcausal.transpose(-1, -2)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd->bdac', t33, G, optimize=[(0, 1)])
-    t37 = oe.contract('abc,cd,ace->bead', t4, t35, X, optimize=[(0, 1), (0, 1)])
-    t31[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = G.transpose(-1, -2)
-    t41 = t6.transpose(-1, -2)
-    t39[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t40, t35, t41, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t3 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
+    t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t24 = t23.view((d_V, d_K, d_V, d_V))
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t26 = oe.contract('abc,cd,ace->bead', t4, t25, G, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
+    t24[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t19.transpose(-1, -2)
+    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t30 += oe.contract('a,bc->bca', t21, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t36 = W_Q.transpose(-1, -2)
+    t37 = t36 @ t4
+    t38 = Mcausal.transpose(-1, -2)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
+    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
+    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = t33.transpose(-1, -2)
-    t45 = oe.contract('abc,acd->bdac', t40, t44, optimize=[(0, 1)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t45, t37, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46[...] = 0
+    t44 = G.transpose(-1, -2)
+    t45 = t6.transpose(-1, -2)
+    t46 = oe.contract('abc,cd,ace->bead', t4, t39, t45, optimize=[(0, 1), (0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = t37.transpose(-1, -2)
+    t51 = oe.contract('abc,acd->bdac', t44, t50, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t41, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -3884,7 +3987,8 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -3943,7 +4047,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t12, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,cd,ace->bead', t1, t12, G, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4027,7 +4133,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4193,7 +4300,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal.transpose(-1, -2)
     t14 = t3.transpose(-1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t12, t15, t14, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t1, t15, t14, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4327,91 +4436,101 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t4.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t11[...] = 0
-    t12 = t11.view((d_V, d_K, d_V, d_K))
-    t13 = t12.diagonal(0, 1, 3)
-    t14 = W_Q @ t4
-    t15 = X @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    T = t16
-    t17 = Mcausal * T
-    t18 = t6.transpose(-1, -2)
-    t19 = t17 @ t18
-    F = t19
-    t20 = F - Y
-    t21 = (2/(L*d_V)) * t20
-    G = t21
-    t22 = G @ t6
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t27 = oe.contract('abc,acd->bd', t2, t24, optimize=[(0, 1)])
-    t13 += oe.contract('a,bc->bca', t26, t27, optimize=[(0, 1)])
-    t28 = X @ W_Q
-    t29 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
-    t30 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
-    t33 = t17 @ X
-    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t35 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('abc,cd,ace->bead', t2, t34, t33, optimize=[(0, 1), (0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t32 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t37, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t40 = t39.diagonal(0, 1, 3)
-    t41 = t22.transpose(-1, -2)
-    t42 = Mcausal.transpose(-1, -2)
-    t43 = t41 * t42
-    t44 = t43 @ X
-    t45 = oe.contract('abc,acd->bd', t2, t44, optimize=[(0, 1)])
-    t40 += oe.contract('a,bc->bca', t26, t45, optimize=[(0, 1)])
-    t46 = t28.transpose(-1, -2)
-    t47 = (2/(L*d_K*d_V*n_batch)) * t42
-    t39 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t46, t47, t8, t42, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_K, d_V, d_K))
-    t50 = oe.contract('abc,acd->bdac', t46, t28, optimize=[(0, 1)])
-    t51 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t47, t8, t42, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53 = t52.view((d_V, d_K, d_V, d_V))
-    t54 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t55 = oe.contract('abc,acd->bdac', t46, G, optimize=[(0, 1)])
-    t56 = oe.contract('abc,cd,ace->bead', t2, t54, X, optimize=[(0, 1), (0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
-    t53 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t46, t57, X, W_V, t33, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = t58.view((d_V, d_V, d_V, d_K))
-    t60 = T.transpose(-1, -2)
-    t61 = t42 * t60
-    t62 = oe.contract('abc,dc,ace->bead', t6, t34, t9, optimize=[(0, 1), (0, 1)])
-    t63 = oe.contract('abc,acd,ade->bead', t2, t61, X, optimize=[(0, 1), (0, 1)])
-    t59[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = G.transpose(-1, -2)
-    t59 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t64, t54, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14 = t13.view((d_V, d_K, d_V, d_K))
+    t15 = X @ W_Q
+    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t18 = t14.diagonal(0, 1, 3)
+    t19 = t15 @ t4
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = t6.transpose(-1, -2)
+    t23 = t21 @ t22
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = G @ t6
+    t27 = Mcausal * t26
+    t28 = t27 @ X
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc,acd->bd', t2, t28, optimize=[(0, 1)])
+    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t34 = t21 @ X
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t39 = oe.contract('abc,cd,ace->bead', t2, t38, G, optimize=[(0, 1), (0, 1)])
+    t40 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = t15.transpose(-1, -2)
+    t44 = Mcausal.transpose(-1, -2)
+    t45 = (2/(L*d_K*d_V*n_batch)) * t44
+    t46 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
+    t48 = t42.diagonal(0, 1, 3)
+    t49 = t26.transpose(-1, -2)
+    t50 = t49 * t44
+    t51 = t50 @ X
+    t52 = oe.contract('abc,acd->bd', t2, t51, optimize=[(0, 1)])
+    t42[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 += oe.contract('a,bc->bca', t30, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = t53.view((d_V, d_K, d_V, d_K))
+    t55 = oe.contract('abc,acd->bdac', t43, t15, optimize=[(0, 1)])
+    t56 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58 = t57.view((d_V, d_K, d_V, d_V))
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t60 = oe.contract('abc,acd->bdac', t43, G, optimize=[(0, 1)])
+    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
+    t62 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
+    t63 = oe.contract('abc,cd,ace,ef->bfad', t2, t62, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,acd->bdac', t43, t34, optimize=[(0, 1)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t66 = t65.view((d_V, d_V, d_V, d_K))
-    t66[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t61, t6, t34, t28, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
-    t67 = oe.contract('abc,acd->bdac', t64, t28, optimize=[(0, 1)])
-    t66 += oe.contract('abcd,efcd->eafb', t67, t56, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68[...] = 0
-    t69 = t68.view((d_V, d_V, d_V, d_V))
-    t70 = t69.diagonal(0, 1, 3)
-    t71 = t33.transpose(-1, -2)
-    t72 = t71 @ t33
-    t73 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t74 = (2/(L*d_V*n_batch)) * t73
-    t70 += oe.contract('abc,d->bcd', t72, t74, optimize=[(0, 1)])
+    t67 = T.transpose(-1, -2)
+    t68 = t44 * t67
+    t69 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
+    t70 = oe.contract('abc,acd,ade->bead', t2, t68, X, optimize=[(0, 1), (0, 1)])
+    t71 = G.transpose(-1, -2)
+    t72 = oe.contract('abc,cd,ace->bead', t2, t59, t9, optimize=[(0, 1), (0, 1)])
+    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t66 += oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = t74.view((d_V, d_V, d_V, d_K))
+    t76 = oe.contract('abc,acd,ade->bead', t2, t68, t15, optimize=[(0, 1), (0, 1)])
+    t77 = oe.contract('abc,dc,ace->bead', t6, t35, X, optimize=[(0, 1), (0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t71, t15, optimize=[(0, 1)])
+    t75[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t75 += oe.contract('abcd,efcd->eafb', t78, t61, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t79[...] = 0
+    t80 = t79.view((d_V, d_V, d_V, d_V))
+    t81 = t80.diagonal(0, 1, 3)
+    t82 = t34.transpose(-1, -2)
+    t83 = t82 @ t34
+    t84 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t85 = (2/(L*d_V*n_batch)) * t84
+    t86 = oe.contract('abc->bc', t83, optimize=[(0,)])
+    t81 += oe.contract('a,bc->bca', t85, t86, optimize=[(0, 1)])
     return H
 
 
@@ -4611,7 +4730,9 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -4642,38 +4763,38 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = Mcausal * T
-    t9 = X @ W_V
-    t10 = t8 @ t9
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t9.transpose(-1, -2)
-    t14 = G @ t13
-    t15 = Mcausal * t14
-    t16 = t15 @ X
-    t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
-    t20 = t9 @ t13
-    t21 = X @ W_Q
-    t22 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t23 = oe.contract('abc,acd->bdac', t2, t21, optimize=[(0, 1)])
-    t24 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t22, t20, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t1
+    t6 = W_V @ t5
+    t7 = X @ t6
+    t8 = X @ W_Q
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = t0.diagonal(0, 1, 3)
+    t13 = t8 @ t3
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = Mcausal * T
+    t16 = t5.transpose(-1, -2)
+    t17 = t15 @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t5
+    t21 = Mcausal * t20
+    t22 = t21 @ X
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
+    t12 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -4730,14 +4851,16 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
     t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t15, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t1, t15, G, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4786,7 +4909,9 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -4816,41 +4941,42 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_Q.transpose(-1, -2)
+    t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = Mcausal * T
-    t9 = X @ W_V
-    t10 = t8 @ t9
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = W_V @ t13
-    t15 = X @ t14
-    t16 = Mcausal.transpose(-1, -2)
-    t17 = t15 * t16
-    t18 = t17 @ X
-    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
-    t22 = W_Q.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = t9.transpose(-1, -2)
-    t25 = t9 @ t24
-    t26 = t4.transpose(-1, -2)
-    t27 = (2/(L*d_K*d_V*n_batch)) * t16
-    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t23, t27, t25, t16, t26, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t4 = Mcausal.transpose(-1, -2)
+    t5 = W_V.transpose(-1, -2)
+    t6 = t5 @ t1
+    t7 = W_V @ t6
+    t8 = X @ t7
+    t9 = X @ W_K
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t13 = t0.diagonal(0, 1, 3)
+    t14 = t6.transpose(-1, -2)
+    t15 = t3.transpose(-1, -2)
+    t16 = t9.transpose(-1, -2)
+    t17 = t15 @ t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    T = t18
+    t19 = Mcausal * T
+    t20 = t19 @ t14
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = t14 @ t23
+    t25 = t24 * t4
+    t26 = t25 @ X
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t29 = oe.contract('abc,acd->bd', t1, t26, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    t13 += oe.contract('a,bc->bca', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -4966,10 +5092,12 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
     t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     t18 = t10 @ X
     t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t19, X, W_V, t18, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,cd,ace,ef->bfad', t1, t19, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, t18, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5028,7 +5156,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5081,7 +5210,6 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
     t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     t16 = Mcausal * T
     t17 = t11.transpose(-1, -2)
     t18 = t16 @ t17
@@ -5091,7 +5219,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t20
     t21 = G.transpose(-1, -2)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t21, t22, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace->bead', t1, t22, t12, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5151,19 +5282,21 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_Q
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t1, t9, t11, t13, t12, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
-    t14 = Mcausal * T
-    t15 = t11.transpose(-1, -2)
-    t16 = t14 @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t21 = oe.contract('abc,acd->bdac', t19, t12, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd,ade->bead', t1, t9, t12, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,dc,ace->bead', t11, t13, X, optimize=[(0, 1), (0, 1)])
+    t16 = Mcausal * T
+    t17 = t11.transpose(-1, -2)
+    t18 = t16 @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t23 = oe.contract('abc,acd->bdac', t21, t12, optimize=[(0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5227,7 +5360,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5645,7 +5779,7 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     t8 = out.view((n_batch, L, d_V, d_V, d_V,))
     t9 = t8.diagonal(0, -3, -1)
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t9[...] = oe.contract('abc,d->abcd', t7, t10, optimize=[(0, 1)])
+    t9[...] = oe.contract('a,bcd->bcda', t10, t7, optimize=[(0, 1)])
     return out
 
 
@@ -5816,7 +5950,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62 = t61.view((d_V, d_V, d_V, d_V))
     t63 = (1/(L*n_batch)) * t53
-    t62[...] = oe.contract('abc,acd,acde,acf->bdfe', t63, t8, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd->bdac', t63, t28, optimize=[(0, 1)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
     return H
 
 
@@ -6204,7 +6340,9 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6673,7 +6811,9 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6743,41 +6883,50 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t3 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = t24.view((d_V, d_K, d_V, d_V))
-    t26 = t4 @ G
-    t27 = t8 @ X
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t25[...] = oe.contract('abc,ade->bdec', t28, t27, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t21.transpose(-1, -2)
-    t31 += oe.contract('abc,d->bcd', t32, t23, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t36 = t4 @ X
-    t37 = W_Q.transpose(-1, -2)
-    t38 = t37 @ t4
-    t39 = t38 @ G
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t35[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t43 = t27.transpose(-1, -2)
-    t44 = t26.transpose(-1, -2)
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t48 = t39.transpose(-1, -2)
-    t47[...] = oe.contract('abc,ade->bdce', t40, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t3 += oe.contract('a,bc->bca', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = t25.view((d_V, d_K, d_V, d_V))
+    t27 = t4 @ G
+    t28 = t8 @ X
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t30 = oe.contract('abc->bca', t29, optimize=[(0,)])
+    t31 = oe.contract('abc->bca', t28, optimize=[(0,)])
+    t26[...] = oe.contract('abc,dec->adeb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t21.transpose(-1, -2)
+    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t34 += oe.contract('a,bc->bca', t23, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37[...] = 0
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = t38.view((d_V, d_K, d_V, d_V))
+    t40 = t4 @ X
+    t41 = W_Q.transpose(-1, -2)
+    t42 = t41 @ t4
+    t43 = t42 @ G
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t45 = oe.contract('abc->bca', t43, optimize=[(0,)])
+    t46 = oe.contract('abc->bca', t44, optimize=[(0,)])
+    t39[...] = oe.contract('abc,dec->daeb', t45, t46, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t49 = t28.transpose(-1, -2)
+    t50 = t27.transpose(-1, -2)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t52 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t53 = oe.contract('abc->bca', t50, optimize=[(0,)])
+    t48[...] = oe.contract('abc,dec->adeb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t56 = t43.transpose(-1, -2)
+    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t55[...] = oe.contract('abc,dec->daeb', t57, t46, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58[...] = 0
     return H
 
 
@@ -6963,7 +7112,8 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7029,7 +7179,9 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = t1 @ G
     t16 = t5 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,ade->bdec', t17, t16, optimize=[(0, 1)])
+    t18 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7119,7 +7271,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bc', t20, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -7208,7 +7361,9 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t4 @ G
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7295,7 +7450,9 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = t16 @ X
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t20 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7362,7 +7519,9 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = X @ W_Q
     t18 = t16 @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t19, t18, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7451,28 +7610,27 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
     t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
     t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = t20.diagonal(0, 1, 3)
+    t21 = X @ W_Q
+    t22 = t5.transpose(-1, -2)
+    t23 = t22 @ X
+    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
+    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = t20.diagonal(0, 1, 3)
     F = t12
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t8 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = t5.transpose(-1, -2)
-    t28 = G @ t27
-    t29 = t28 @ X
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = oe.contract('abc,acd->bd', t2, t29, optimize=[(0, 1)])
-    t21 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
-    t33 = X @ W_Q
-    t34 = t27 @ X
-    t35 = oe.contract('abc,acd->bdac', t16, t33, optimize=[(0, 1)])
-    t36 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t27 = torch.exp(F - F.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = t8 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = G @ t22
+    t33 = t32 @ X
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
     t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t38 = t37.view((d_V, d_K, d_V, d_V))
     t39 = t4 @ X
@@ -7480,66 +7638,70 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t42 = oe.contract('abc,cd,aed,aedf->bfae', t39, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t43 = oe.contract('abc,acd->bdac', t41, t40, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t45 = oe.contract('abc,acd->bda', t44, G, optimize=[(0, 1)])
     t46 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
     t38 += oe.contract('abc,dec->adeb', t45, t46, optimize=[(0, 1)])
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47[...] = 0
     t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = t48.diagonal(0, 1, 3)
-    t50 = t34.transpose(-1, -2)
-    t51 = G.transpose(-1, -2)
-    t49 += oe.contract('abc,acd,ade,f->bef', t50, t51, X, t31, optimize=[(0, 1), (0, 2), (0, 1)])
-    t52 = t33.transpose(-1, -2)
-    t53 = Y.transpose(-1, -2)
-    t54 = t53.sum(-2, keepdim=True)
-    t55 = t54.expand(*t54.shape[:-2], d_V, t54.shape[-1])
-    t56 = (1/(L*d_K*n_batch)) * t52
-    t57 = oe.contract('abc,acd,adce,aef->bfad', t50, t55, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
-    t48 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_K, d_V, d_K))
-    t61 = oe.contract('abc,acd->bdac', t56, t33, optimize=[(0, 1)])
-    t62 = oe.contract('abc,acd,adce,aef->bfad', t50, t55, dA, t34, optimize=[(0, 1), (0, 1), (0, 1)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t64 = t63.view((d_V, d_K, d_V, d_V))
-    t65 = t2 @ X
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t67 = oe.contract('abc,acd->bda', t66, G, optimize=[(0, 1)])
-    t68 = oe.contract('abc->bca', t65, optimize=[(0,)])
-    t64[...] = oe.contract('abc,dec->daeb', t67, t68, optimize=[(0, 1)])
-    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t52
-    t70 = oe.contract('abc,cd,ade,aedf->bfae', t65, W_V, t55, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t69, t40, optimize=[(0, 1)])
-    t64 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = t4.transpose(-1, -2)
-    t75 = t51 @ X
-    t76 = oe.contract('abc,acd->bda', t44, t74, optimize=[(0, 1)])
-    t77 = oe.contract('abc->bca', t75, optimize=[(0,)])
-    t73[...] = oe.contract('abc,dec->adeb', t76, t77, optimize=[(0, 1)])
-    t78 = T.transpose(-1, -2)
-    t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t78
-    t80 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
-    t81 = oe.contract('abc,acd,ade->bead', t2, t79, X, optimize=[(0, 1), (0, 1)])
-    t73 += oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
-    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t83 = t82.view((d_V, d_V, d_V, d_K))
-    t84 = t51 @ t33
-    t83[...] = oe.contract('abc,acd,aef->bedf', t44, X, t84, optimize=[(0, 1), (0, 1)])
-    t85 = oe.contract('abc,acd,ade->bead', t2, t79, t33, optimize=[(0, 1), (0, 1)])
-    t86 = oe.contract('abc,abcd,ade->ceab', t8, dA, t34, optimize=[(0, 1), (0, 1)])
-    t83 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
-    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t88 = t87.view((d_V, d_V, d_V, d_V))
-    t89 = t40.transpose(-1, -2)
-    t90 = (1/(L*n_batch)) * t89
-    t88[...] = oe.contract('abc,acd,acde,acf->bdfe', t90, t8, dA, t40, optimize=[(1, 2), (0, 1), (0, 1)])
+    t49 = t23.transpose(-1, -2)
+    t50 = t21.transpose(-1, -2)
+    t51 = Y.transpose(-1, -2)
+    t52 = t51.sum(-2, keepdim=True)
+    t53 = t52.expand(*t52.shape[:-2], d_V, t52.shape[-1])
+    t54 = (1/(L*d_K*n_batch)) * t50
+    t55 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
+    t57 = t48.diagonal(0, 1, 3)
+    t58 = G.transpose(-1, -2)
+    t59 = oe.contract('abc,acd,ade->be', t49, t58, X, optimize=[(0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 += oe.contract('a,bc->bca', t35, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t61 = t60.view((d_V, d_K, d_V, d_K))
+    t62 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65 = t64.view((d_V, d_K, d_V, d_V))
+    t66 = t2 @ X
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
+    t69 = oe.contract('abc->bca', t66, optimize=[(0,)])
+    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t50
+    t71 = oe.contract('abc,cd,ade,aedf->bfae', t66, W_V, t53, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t72 = oe.contract('abc,acd->bdac', t70, t40, optimize=[(0, 1)])
+    t65[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t74 = t73.view((d_V, d_V, d_V, d_K))
+    t75 = t4.transpose(-1, -2)
+    t76 = t58 @ X
+    t77 = oe.contract('abc,acd->bda', t44, t75, optimize=[(0, 1)])
+    t78 = oe.contract('abc->bca', t76, optimize=[(0,)])
+    t79 = T.transpose(-1, -2)
+    t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t81 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abc,acd,ade->bead', t2, t80, X, optimize=[(0, 1), (0, 1)])
+    t74[...] = oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
+    t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t84 = t83.view((d_V, d_V, d_V, d_K))
+    t85 = t58 @ t21
+    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
+    t87 = oe.contract('abc,acd->bda', t44, X, optimize=[(0, 1)])
+    t88 = oe.contract('abc,acd,ade->bead', t2, t80, t21, optimize=[(0, 1), (0, 1)])
+    t89 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
+    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
+    t84 += oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
+    t90 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t91 = t90.view((d_V, d_V, d_V, d_V))
+    t92 = t40.transpose(-1, -2)
+    t93 = (1/(L*n_batch)) * t92
+    t94 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
+    t95 = oe.contract('abc,acd->bdac', t93, t40, optimize=[(0, 1)])
+    t91[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
     return H
 
 
@@ -7816,46 +7978,45 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = Y.sum(-1, keepdim=True)
-    t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = X @ W_V
+    t5 = t3 @ t4
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = W_Q @ t3
+    t9 = X @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = T @ t4
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t4 * A
-    t14 = t13 - Y
-    t15 = (1/L) * t14
-    G = t15
-    t16 = t10.transpose(-1, -2)
-    t17 = G @ t16
-    t18 = t17 @ X
-    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
-    t22 = t6 @ t10
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
-    t26 = X @ W_Q
-    t27 = t16 @ X
-    t28 = (1/(L*d_K*n_batch)) * t2
-    t29 = oe.contract('abc,acd->bdac', t28, t26, optimize=[(0, 1)])
-    t30 = oe.contract('abc,adc,adce,aef->bfad', t22, t4, dA, t27, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = X @ W_Q
+    t15 = t4.transpose(-1, -2)
+    t16 = t15 @ X
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = t0.diagonal(0, 1, 3)
+    F = t11
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t7 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = G @ t15
+    t27 = t26 @ X
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -7928,7 +8089,6 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t16 = oe.contract('abc,cd,aed,aedf->bfae', t4, W_V, t6, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     F = t11
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
@@ -7939,6 +8099,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t24 = oe.contract('abc,acd->bda', t23, G, optimize=[(0, 1)])
     t25 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t24, t25, optimize=[(0, 1)])
     return out
 
@@ -8009,7 +8170,9 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t18, t8, dA, t9, t17, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8050,49 +8213,49 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = X @ W_V
-    t4 = t2 @ t3
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = W_K.transpose(-1, -2)
-    t8 = t7 @ t2
-    t9 = W_Q @ t8
-    t10 = X @ t9
-    t11 = (1/math.sqrt(d_K)) * t10
-    T = t11
-    t12 = T @ t3
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = t6 * A
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,acd,ade,f->bef', t4, t17, X, t19, optimize=[(0, 1), (0, 2), (0, 1)])
-    t20 = W_Q.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = Y.transpose(-1, -2)
-    t23 = t22.sum(-2, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
-    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t1 = X.transpose(-1, -2)
+    t2 = X @ W_V
+    t3 = t1 @ t2
+    t4 = W_Q.transpose(-1, -2)
+    t5 = t4 @ t1
+    t6 = Y.transpose(-1, -2)
+    t7 = t6.sum(-2, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
+    t9 = t5.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    T = t13
+    t14 = T @ t2
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = t3.transpose(-1, -2)
-    t29 = t8.transpose(-1, -2)
-    t30 = t28 @ t29
-    t31 = (1/(L*d_K*n_batch)) * t21
-    t32 = oe.contract('abc,acd,adce,aef->bfad', t4, t24, dA, t30, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t2.transpose(-1, -2)
+    t18 = t11.transpose(-1, -2)
+    t19 = t17 @ t18
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t23 = t0.diagonal(0, 1, 3)
+    t24 = Y.sum(-1, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-1], d_V)
+    F = t14
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t25 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = oe.contract('abc,acd,ade->be', t3, t31, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -8240,7 +8403,6 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t19 = oe.contract('abc,acd->bda', t18, G, optimize=[(0, 1)])
     t20 = oe.contract('abc->bca', t2, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
     t21 = Y.transpose(-1, -2)
     t22 = t21.sum(-2, keepdim=True)
     t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
@@ -8253,6 +8415,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t29 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t23, dA, optimize=[(2, 3), (0, 1), (0, 1)])
     t30 = oe.contract('abc,acd->bdac', t28, t27, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -8389,7 +8552,6 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = oe.contract('abc,acd->bda', t17, t2, optimize=[(0, 1)])
     t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
-    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     t20 = T.transpose(-1, -2)
     t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
@@ -8401,6 +8563,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
     t27 = oe.contract('abc,abcd,ade->ceab', t4, dA, t25, optimize=[(0, 1), (0, 1)])
     t28 = oe.contract('abc,acd,ade->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
@@ -8474,19 +8637,21 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = X @ W_Q
     t17 = t15 @ t16
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,aef->bedf', t18, X, t17, optimize=[(0, 1), (0, 1)])
-    t19 = T.transpose(-1, -2)
-    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t19 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t20 = oe.contract('abc,acd->bda', t18, X, optimize=[(0, 1)])
+    t21 = T.transpose(-1, -2)
+    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t23 = t9.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = (1/(L*math.sqrt(d_K)*n_batch)) * t19
-    t26 = oe.contract('abc,acd,ade->bead', t1, t25, t16, optimize=[(0, 1), (0, 1)])
-    t27 = oe.contract('abc,abcd,ade->ceab', t3, dA, t24, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t25 = t9.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
+    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t16, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8557,7 +8722,9 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, t11, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -9120,7 +9287,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t55 = t54.view((d_V, d_V, d_V, d_V))
     t56 = (1/(L*n_batch)) * t49
-    t55[...] = oe.contract('abc,acd,acde,acf->bdfe', t56, t7, dA, t27, optimize=[(1, 2), (0, 1), (0, 1)])
+    t57 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
+    t58 = oe.contract('abc,acd->bdac', t56, t27, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
     return H
 
 
@@ -9526,7 +9695,9 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10024,7 +10195,9 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10100,40 +10273,46 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t3 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t27[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t28, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t23.transpose(-1, -2)
-    t31 += oe.contract('abc,d->bcd', t32, t25, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t36 = W_Q.transpose(-1, -2)
-    t37 = t36 @ t4
-    t38 = Mcausal.transpose(-1, -2)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
-    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
-    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = G.transpose(-1, -2)
-    t45 = t8.transpose(-1, -2)
-    t43[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t44, t39, t45, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t3 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28 = t27.view((d_V, d_K, d_V, d_V))
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t30 = oe.contract('abc,cd,ace->bead', t4, t29, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t23.transpose(-1, -2)
+    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t34 += oe.contract('a,bc->bca', t25, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37[...] = 0
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = t38.view((d_V, d_K, d_V, d_V))
+    t40 = W_Q.transpose(-1, -2)
+    t41 = t40 @ t4
+    t42 = Mcausal.transpose(-1, -2)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t44 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
+    t45 = oe.contract('abc,cd,ace->bead', t4, t43, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t47 = t46.view((d_V, d_V, d_V, d_K))
-    t48 = t37.transpose(-1, -2)
-    t49 = oe.contract('abc,acd->bdac', t44, t48, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->eafb', t49, t41, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t48 = G.transpose(-1, -2)
+    t49 = t8.transpose(-1, -2)
+    t50 = oe.contract('abc,cd,ace->bead', t4, t43, t49, optimize=[(0, 1), (0, 1)])
+    t51 = oe.contract('abc,acd->bdac', t48, X, optimize=[(0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = t41.transpose(-1, -2)
+    t55 = oe.contract('abc,acd->bdac', t48, t54, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t45, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -10330,7 +10509,8 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -10399,7 +10579,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t16, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,cd,ace->bead', t1, t16, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -10493,7 +10675,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -10679,7 +10862,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t16, t19, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,cd,ace->bead', t1, t19, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10843,84 +11028,91 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t19 = oe.contract('abc->cab', X, optimize=[(0,)])
     t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
     t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
     t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
+    t22 = X @ W_Q
+    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
+    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t25 = t21.diagonal(0, 1, 3)
     F = t12
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t7 * A24
-    t26 = t25 - Y
-    t27 = (1/L) * t26
-    G = t27
-    t28 = G @ t15
-    t29 = Mcausal * t28
-    t30 = t29 @ X
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t33 = oe.contract('abc,acd->bd', t2, t30, optimize=[(0, 1)])
-    t22 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
-    t34 = X @ W_Q
-    t35 = oe.contract('abc->cab', t34, optimize=[(0,)])
-    t36 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t21 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t7 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G @ t15
+    t32 = Mcausal * t31
+    t33 = t32 @ X
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
+    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
     t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t38 = t37.view((d_V, d_K, d_V, d_V))
     t39 = t11 @ X
     t40 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t41 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t40, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
     t42 = oe.contract('abc->cab', t39, optimize=[(0,)])
-    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
     t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t38 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t43, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = t28.transpose(-1, -2)
-    t48 = Mcausal.transpose(-1, -2)
-    t49 = t47 * t48
-    t46 += oe.contract('abc,acd,ade,f->bef', t2, t49, X, t32, optimize=[(0, 1), (0, 2), (0, 1)])
-    t50 = t34.transpose(-1, -2)
-    t51 = Y.transpose(-1, -2)
-    t52 = t51.sum(-2, keepdim=True)
-    t53 = t52.expand(*t52.shape[:-2], d_V, t52.shape[-1])
-    t54 = (1/(L*d_K*n_batch)) * t48
-    t55 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t50, t54, t5, t53, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t45 += oe.contract('abcde,fde->abfc', t55, t19, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = t56.view((d_V, d_K, d_V, d_K))
-    t58 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t50, t54, t5, t53, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t57[...] = oe.contract('abc,defbc->defa', t35, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t60 = t59.view((d_V, d_K, d_V, d_V))
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t62 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
-    t63 = oe.contract('abc,cd,ace->bead', t2, t61, X, optimize=[(0, 1), (0, 1)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
-    t65 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t64, X, W_V, t53, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t66 = oe.contract('abc,acd->bdac', t50, t39, optimize=[(0, 1)])
-    t60 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t68 = t67.view((d_V, d_V, d_V, d_K))
-    t69 = T.transpose(-1, -2)
-    t70 = t48 * t69
-    t71 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t72 = oe.contract('abc,acd,ade->bead', t2, t70, X, optimize=[(0, 1), (0, 1)])
-    t68[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
-    t73 = G.transpose(-1, -2)
-    t68 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t73, t61, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t75 = t74.view((d_V, d_V, d_V, d_K))
-    t75[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t70, t7, dA, t15, t40, t34, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
-    t76 = oe.contract('abc,acd->bdac', t73, t34, optimize=[(0, 1)])
-    t75 += oe.contract('abcd,efcd->eafb', t76, t63, optimize=[(0, 1)])
-    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78 = t77.view((d_V, d_V, d_V, d_V))
-    t79 = t39.transpose(-1, -2)
-    t80 = (1/(L*n_batch)) * t79
-    t78[...] = oe.contract('abc,acd,acde,acf->bdfe', t80, t7, dA, t39, optimize=[(1, 2), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,cd,ace->bead', t2, t43, G, optimize=[(0, 1), (0, 1)])
+    t45 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t38 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = t22.transpose(-1, -2)
+    t49 = Mcausal.transpose(-1, -2)
+    t50 = Y.transpose(-1, -2)
+    t51 = t50.sum(-2, keepdim=True)
+    t52 = t51.expand(*t51.shape[:-2], d_V, t51.shape[-1])
+    t53 = (1/(L*d_K*n_batch)) * t49
+    t54 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t55 = t47.diagonal(0, 1, 3)
+    t56 = t31.transpose(-1, -2)
+    t57 = t56 * t49
+    t58 = oe.contract('abc,acd,ade->be', t2, t57, X, optimize=[(0, 1), (0, 1)])
+    t47[...] = oe.contract('abcde,fde->abfc', t54, t19, optimize=[(0, 1)])
+    t55 += oe.contract('a,bc->bca', t35, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_K))
+    t61 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t60[...] = oe.contract('abc,defbc->defa', t23, t61, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = t62.view((d_V, d_K, d_V, d_V))
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t65 = oe.contract('abc,acd->bdac', t48, G, optimize=[(0, 1)])
+    t66 = oe.contract('abc,cd,ace->bead', t2, t64, X, optimize=[(0, 1), (0, 1)])
+    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
+    t68 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t67, X, W_V, t52, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t48, t39, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t71 = t70.view((d_V, d_V, d_V, d_K))
+    t72 = T.transpose(-1, -2)
+    t73 = t49 * t72
+    t74 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t75 = oe.contract('abc,acd,ade->bead', t2, t73, X, optimize=[(0, 1), (0, 1)])
+    t76 = G.transpose(-1, -2)
+    t77 = oe.contract('abc,cd,ace->bead', t2, t64, t16, optimize=[(0, 1), (0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t71 += oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t80 = t79.view((d_V, d_V, d_V, d_K))
+    t81 = oe.contract('abc,acd,ade->bead', t2, t73, t22, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t83 = oe.contract('abc,acd->bdac', t76, t22, optimize=[(0, 1)])
+    t80[...] = oe.contract('abcd,efcd->aefb', t81, t82, optimize=[(0, 1)])
+    t80 += oe.contract('abcd,efcd->eafb', t83, t66, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85 = t84.view((d_V, d_V, d_V, d_V))
+    t86 = t39.transpose(-1, -2)
+    t87 = (1/(L*n_batch)) * t86
+    t88 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
+    t89 = oe.contract('abc,acd->bdac', t87, t39, optimize=[(0, 1)])
+    t85[...] = oe.contract('abcd,efcd->eafb', t88, t89, optimize=[(0, 1)])
     return H
 
 
@@ -11215,47 +11407,46 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = Y.sum(-1, keepdim=True)
-    t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
+    t4 = X @ W_V
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_Q @ t3
     t8 = X @ t7
     t9 = (1/math.sqrt(d_K)) * t8
     T = t9
     t10 = Mcausal * T
-    t11 = X @ W_V
-    t12 = t10 @ t11
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = t4 * A
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = t11.transpose(-1, -2)
-    t18 = G @ t17
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
-    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t11 = t10 @ t4
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
-    t27 = X @ W_Q
-    t28 = (1/(L*d_K*n_batch)) * Mcausal
-    t29 = oe.contract('abc->cab', t27, optimize=[(0,)])
-    t30 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t28, t11, t4, dA, t17, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = t4.transpose(-1, -2)
+    t15 = X @ W_Q
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = t0.diagonal(0, 1, 3)
+    F = t11
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t6 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = G @ t14
+    t26 = Mcausal * t25
+    t27 = t26 @ X
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t19 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11330,7 +11521,6 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t16 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t1, t3, t15, X, W_V, t5, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
     t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     F = t11
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
@@ -11339,7 +11529,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t22 = (1/L) * t21
     G = t22
     t23 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t23, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t23, G, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11412,7 +11605,9 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t19, t5, t8, dA, t18, Mcausal, t9, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
+    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11455,53 +11650,52 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = Y.sum(-1, keepdim=True)
-    t4 = t3.expand(*t3.shape[:-1], d_V)
+    t1 = X.transpose(-1, -2)
+    t2 = W_Q.transpose(-1, -2)
+    t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = Mcausal * T
-    t11 = X @ W_V
-    t12 = t10 @ t11
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = t4 * A
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = W_V @ t17
-    t19 = X @ t18
-    t20 = Mcausal.transpose(-1, -2)
-    t21 = t19 * t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,acd,ade,f->bef', t2, t21, X, t23, optimize=[(0, 1), (0, 2), (0, 1)])
-    t24 = W_Q.transpose(-1, -2)
-    t25 = t24 @ t2
-    t26 = Y.transpose(-1, -2)
-    t27 = t26.sum(-2, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
-    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t4 = Mcausal.transpose(-1, -2)
+    t5 = X @ W_V
+    t6 = Y.transpose(-1, -2)
+    t7 = t6.sum(-2, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
+    t9 = t3.transpose(-1, -2)
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = t9 @ t11
+    t13 = (1/math.sqrt(d_K)) * t12
+    T = t13
+    t14 = Mcausal * T
+    t15 = t14 @ t5
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A = t16 / t16.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A30, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A30, A30, optimize=[(0, 1)])
-    t32 = t11.transpose(-1, -2)
-    t33 = t6.transpose(-1, -2)
-    t34 = (1/(L*d_K*n_batch)) * t20
-    t35 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t25, t34, t11, t28, dA, t32, Mcausal, t33, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t36 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0 += oe.contract('abcde,fde->abfc', t35, t36, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = t5.transpose(-1, -2)
+    t19 = t11.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t23 = t0.diagonal(0, 1, 3)
+    t24 = Y.sum(-1, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-1], d_V)
+    F = t15
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t25 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = t5 @ t31
+    t33 = t32 * t4
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc,acd,ade->be', t1, t33, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -11659,7 +11853,6 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
     t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = Y.transpose(-1, -2)
     t23 = t22.sum(-2, keepdim=True)
     t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
@@ -11672,6 +11865,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t30 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t29, X, W_V, t24, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
     t31 = oe.contract('abc,acd->bdac', t3, t28, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
@@ -11819,7 +12013,6 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t20 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     t21 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     F = t14
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
@@ -11829,7 +12022,10 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t26
     t27 = G.transpose(-1, -2)
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t27, t28, t18, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = oe.contract('abc,cd,ace->bead', t1, t28, t18, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11907,19 +12103,21 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t13.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t17, t19, t18, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd,ade->bead', t1, t9, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
     F = t14
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t27 = oe.contract('abc,acd->bdac', t25, t18, optimize=[(0, 1)])
-    t28 = oe.contract('abc,cd,ace->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t29 = oe.contract('abc,acd->bdac', t27, t18, optimize=[(0, 1)])
+    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11995,7 +12193,9 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t17, t12, dA, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 

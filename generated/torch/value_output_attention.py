@@ -119,89 +119,105 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t15, M_2, X, t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t18 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t19 = oe.contract('ab,cdeb,ef,cdfg->agcd', t15, M_2, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_H))
-    t22 = A @ X
-    M_1 = t22
-    t23 = t13.transpose(-1, -2)
-    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t21[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, M_1, t23, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t26 = t25.view((d_V, d_K, d_H, d_V))
-    t27 = M_1 @ W_V
-    t28 = t12.transpose(-1, -2)
-    t26[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, t27, t28, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = W_Q.transpose(-1, -2)
-    t32 = (2/(L*d_K*d_V*n_batch)) * t31
-    t30[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t14, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = oe.contract('ab,cdb,cde,ef->afcd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = oe.contract('abcd,ce,abef->dfab', M_2, t14, M_2, optimize=[(0, 1), (0, 1)])
-    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_H))
-    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t40 = oe.contract('abcd,ce->deab', M_2, t23, optimize=[(0, 1)])
-    t41 = oe.contract('ab,cdb,cde->aecd', t39, X, M_1, optimize=[(0, 1), (0, 1)])
-    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_H, d_V))
-    t44 = oe.contract('abcd,ce->deab', M_2, t28, optimize=[(0, 1)])
-    t45 = oe.contract('ab,cdb,cde->aecd', t39, X, t27, optimize=[(0, 1), (0, 1)])
-    t43[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t47 = t46.view((d_V, d_H, d_V, d_K))
-    t48 = M_1.transpose(-1, -2)
-    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t48
-    t47[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t49, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_H, d_V, d_K))
-    t52 = oe.contract('abc,acd,de->beac', t49, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t53 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t15, M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19 = t18.view((d_V, d_K, d_V, d_K))
+    t20 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdfg->agcd', t15, M_2, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_H))
+    t24 = A @ X
+    M_1 = t24
+    t25 = t13.transpose(-1, -2)
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t27 = oe.contract('ab,cdeb,ef->afcd', t26, M_2, t25, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t23[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t30 = t29.view((d_V, d_K, d_H, d_V))
+    t31 = M_1 @ W_V
+    t32 = t12.transpose(-1, -2)
+    t33 = oe.contract('ab,cdeb,ef->afcd', t26, M_2, t32, optimize=[(0, 1), (0, 1)])
+    t34 = oe.contract('abc,abd->cdab', X, t31, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = W_Q.transpose(-1, -2)
+    t38 = (2/(L*d_K*d_V*n_batch)) * t37
+    t39 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab,cdb,cde->aecd', t38, X, X, optimize=[(0, 1), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = oe.contract('ab,cdb,cde,ef->afcd', t38, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abcd,ce,abef->dfab', M_2, t14, M_2, optimize=[(0, 1), (0, 1)])
+    t42[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_V, d_H))
+    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t37
+    t48 = oe.contract('abcd,ce->deab', M_2, t25, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cdb,cde->aecd', t47, X, M_1, optimize=[(0, 1), (0, 1)])
+    t46[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t51 = t50.view((d_V, d_K, d_H, d_V))
+    t52 = oe.contract('abcd,ce->deab', M_2, t32, optimize=[(0, 1)])
+    t53 = oe.contract('ab,cdb,cde->aecd', t47, X, t31, optimize=[(0, 1), (0, 1)])
     t51[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t55 = t54.view((d_V, d_H, d_V, d_H))
-    t56 = t48 @ M_1
-    t57 = W_O @ t10
-    t58 = (2/(L*d_V*n_batch)) * t57
-    t55[...] = oe.contract('abc,de->bdce', t56, t58, optimize=[(0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t60 = t59.view((d_V, d_H, d_H, d_V))
-    t61 = t48 @ t27
-    t62 = (2/(L*d_V*n_batch)) * W_O
-    t60[...] = oe.contract('abc,de->bdce', t61, t62, optimize=[(0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t64 = t63.view((d_H, d_V, d_V, d_K))
-    t65 = t27.transpose(-1, -2)
-    t66 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t65
-    t64[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t66, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t67 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t68 = t67.view((d_H, d_V, d_V, d_K))
-    t69 = oe.contract('abc,acd,de->beac', t66, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t70 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t68[...] = oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t72 = t71.view((d_H, d_V, d_V, d_H))
-    t73 = t61.transpose(-1, -2)
-    t74 = (2/(L*d_V*n_batch)) * t10
-    t72[...] = oe.contract('abc,de->bdce', t73, t74, optimize=[(0, 1)])
-    t75 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t75[...] = 0
-    t76 = t75.view((d_H, d_V, d_H, d_V))
-    t77 = t76.diagonal(0, 1, 3)
-    t78 = t65 @ t27
-    t79 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t80 = (2/(L*d_V*n_batch)) * t79
-    t77 += oe.contract('abc,d->bcd', t78, t80, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t55 = t54.view((d_V, d_H, d_V, d_K))
+    t56 = M_1.transpose(-1, -2)
+    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t56
+    t58 = oe.contract('ab,cdbe,ef->afcd', t13, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abc,acd->bdac', t57, X, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t61 = t60.view((d_V, d_H, d_V, d_K))
+    t62 = oe.contract('abc,acd,de->beac', t57, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t63 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t65 = t64.view((d_V, d_H, d_V, d_H))
+    t66 = t56 @ M_1
+    t67 = W_O @ t10
+    t68 = (2/(L*d_V*n_batch)) * t67
+    t69 = oe.contract('abc->bc', t66, optimize=[(0,)])
+    t65[...] = oe.contract('ab,cd->cadb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t71 = t70.view((d_V, d_H, d_H, d_V))
+    t72 = t56 @ t31
+    t73 = (2/(L*d_V*n_batch)) * W_O
+    t74 = oe.contract('abc->bc', t72, optimize=[(0,)])
+    t71[...] = oe.contract('ab,cd->cadb', t73, t74, optimize=[(0, 1)])
+    t75 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t76 = t75.view((d_H, d_V, d_V, d_K))
+    t77 = t31.transpose(-1, -2)
+    t78 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t77
+    t79 = oe.contract('ab,cdbe,ef->afcd', t12, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t80 = oe.contract('abc,acd->bdac', t78, X, optimize=[(0, 1)])
+    t76[...] = oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
+    t81 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t82 = t81.view((d_H, d_V, d_V, d_K))
+    t83 = oe.contract('abc,acd,de->beac', t78, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t84 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t82[...] = oe.contract('abcd,efcd->aefb', t83, t84, optimize=[(0, 1)])
+    t85 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t86 = t85.view((d_H, d_V, d_V, d_H))
+    t87 = t72.transpose(-1, -2)
+    t88 = (2/(L*d_V*n_batch)) * t10
+    t89 = oe.contract('abc->bc', t87, optimize=[(0,)])
+    t86[...] = oe.contract('ab,cd->cadb', t88, t89, optimize=[(0, 1)])
+    t90 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t90[...] = 0
+    t91 = t90.view((d_H, d_V, d_H, d_V))
+    t92 = t91.diagonal(0, 1, 3)
+    t93 = t77 @ t31
+    t94 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t95 = (2/(L*d_V*n_batch)) * t94
+    t96 = oe.contract('abc->bc', t93, optimize=[(0,)])
+    t92 += oe.contract('a,bc->bca', t95, t96, optimize=[(0, 1)])
     return H
 
 
@@ -423,7 +439,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -549,7 +567,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O @ t10
     t12 = W_V @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t13, M_2, X, M_1, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = oe.contract('ab,cdeb,ef->afcd', t13, M_2, t12, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -610,7 +630,9 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, t10, t11, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = oe.contract('ab,cdeb,ef->afcd', t12, M_2, t11, optimize=[(0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, t10, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -736,7 +758,9 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t15, M_2, X, t14, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -991,7 +1015,9 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = oe.contract('abb,cc->bc', t10, t13, optimize=[(0, 1)])
+    t14 = oe.contract('aa->a', t13, optimize=[(0,)])
+    t15 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1049,7 +1075,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t15, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('ab,cdbe,ef->afcd', t13, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1177,7 +1205,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = oe.contract('abc,de->bdce', t10, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1230,7 +1259,8 @@ def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = M_1 @ W_V
     t11 = t9 @ t10
     t12 = (2/(L*d_V*n_batch)) * W_O
-    t0[...] = oe.contract('abc,de->bdce', t11, t12, optimize=[(0, 1)])
+    t13 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1285,7 +1315,8 @@ def mse_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1344,7 +1375,9 @@ def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t15, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('ab,cdbe,ef->afcd', t13, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1473,7 +1506,8 @@ def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bc', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1532,7 +1566,8 @@ def mse_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t12 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1602,103 +1637,109 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t22 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t20 @ X
-    t27 = t3 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t25 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
-    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_V, d_H))
+    t23 = oe.contract('ab,cdbe,ef->afcd', t22, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t29 = t26.diagonal(0, 1, 3)
+    t30 = t20 @ X
+    t31 = t3 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t26[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t34 = G @ t14
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t36 = oe.contract('abc,abd->cdab', X, t34, optimize=[(0, 1)])
-    t37 = oe.contract('ab,cdeb->aecd', t35, M_2, optimize=[(0, 1)])
-    t33[...] = oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
-    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_H, d_V))
-    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t41 = oe.contract('ab,cdeb,ef->afcd', t35, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42[...] = 0
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = t43.diagonal(0, 1, 3)
-    t45 = t27.transpose(-1, -2)
-    t44 += oe.contract('abc,d->bcd', t45, t29, optimize=[(0, 1)])
-    t46 = W_Q.transpose(-1, -2)
-    t47 = (1/(d_K*n_batch)) * t46
-    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
-    t43 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t55 = t54.view((d_V, d_K, d_V, d_H))
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t57 = oe.contract('ab,cdb,cde->aecd', t56, X, t34, optimize=[(0, 1), (0, 1)])
-    t58 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t60 = t59.view((d_V, d_K, d_H, d_V))
-    t61 = oe.contract('ab,cdb,cde->aecd', t56, X, G, optimize=[(0, 1), (0, 1)])
-    t62 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t64 = t63.view((d_V, d_H, d_V, d_K))
-    t65 = t34.transpose(-1, -2)
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t65
-    t67 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t68 = oe.contract('abc,acd->bdac', t66, X, optimize=[(0, 1)])
-    t64[...] = oe.contract('abcd,efcd->aefb', t67, t68, optimize=[(0, 1)])
-    t69 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t70 = t69.view((d_V, d_H, d_V, d_K))
-    t71 = oe.contract('abc,acd,de->beac', t66, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t72 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t70[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t73[...] = 0
-    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t74[...] = 0
-    t75 = t74.view((d_V, d_H, d_H, d_V))
-    t76 = t75.diagonal(0, 1, 2)
-    t77 = M_1.transpose(-1, -2)
-    t78 = t77 @ G
-    t79 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t80 = (1/n_batch) * t79
-    t76 += oe.contract('abc,d->bcd', t78, t80, optimize=[(0, 1)])
-    t81 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t82 = t81.view((d_H, d_V, d_V, d_K))
-    t83 = G.transpose(-1, -2)
-    t84 = (1/(math.sqrt(d_K)*n_batch)) * t83
-    t82[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t84, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t85 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t86 = t85.view((d_H, d_V, d_V, d_K))
-    t87 = oe.contract('abc,acd,de->beac', t84, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t88 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
-    t86[...] = oe.contract('abcd,efcd->eafb', t87, t88, optimize=[(0, 1)])
-    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t89[...] = 0
-    t90 = t89.view((d_H, d_V, d_V, d_H))
-    t91 = t90.diagonal(0, 0, 3)
-    t92 = t78.transpose(-1, -2)
-    t91 += oe.contract('abc,d->bcd', t92, t80, optimize=[(0, 1)])
-    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t93[...] = 0
+    t37 = G @ t14
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 = oe.contract('abc,abd->cdab', X, t37, optimize=[(0, 1)])
+    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_H, d_V))
+    t43 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cdeb,ef->afcd', t38, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t42[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_V, d_K))
+    t47 = W_Q.transpose(-1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
+    t51 = t46.diagonal(0, 1, 3)
+    t52 = t31.transpose(-1, -2)
+    t53 = oe.contract('abc->bc', t52, optimize=[(0,)])
+    t46[...] = oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 += oe.contract('a,bc->bca', t33, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_K, d_V, d_K))
+    t56 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t57 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_H))
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t61 = oe.contract('ab,cdb,cde->aecd', t60, X, t37, optimize=[(0, 1), (0, 1)])
+    t62 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_H, d_V))
+    t65 = oe.contract('ab,cdb,cde->aecd', t60, X, G, optimize=[(0, 1), (0, 1)])
+    t66 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t68 = t67.view((d_V, d_H, d_V, d_K))
+    t69 = t37.transpose(-1, -2)
+    t70 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t71 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd->bdac', t70, X, optimize=[(0, 1)])
+    t68[...] = oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t74 = t73.view((d_V, d_H, d_V, d_K))
+    t75 = oe.contract('abc,acd,de->beac', t70, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t76 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t74[...] = oe.contract('abcd,efcd->eafb', t75, t76, optimize=[(0, 1)])
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t77[...] = 0
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t78[...] = 0
+    t79 = t78.view((d_V, d_H, d_H, d_V))
+    t80 = t79.diagonal(0, 1, 2)
+    t81 = M_1.transpose(-1, -2)
+    t82 = t81 @ G
+    t83 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t84 = (1/n_batch) * t83
+    t85 = oe.contract('abc->bc', t82, optimize=[(0,)])
+    t80 += oe.contract('a,bc->bca', t84, t85, optimize=[(0, 1)])
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = t86.view((d_H, d_V, d_V, d_K))
+    t88 = G.transpose(-1, -2)
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t88
+    t90 = oe.contract('ab,cdbe,ef->afcd', t15, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t91 = oe.contract('abc,acd->bdac', t89, X, optimize=[(0, 1)])
+    t87[...] = oe.contract('abcd,efcd->aefb', t90, t91, optimize=[(0, 1)])
+    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t93 = t92.view((d_H, d_V, d_V, d_K))
+    t94 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t95 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t96[...] = 0
+    t97 = t96.view((d_H, d_V, d_V, d_H))
+    t98 = t97.diagonal(0, 0, 3)
+    t99 = t82.transpose(-1, -2)
+    t100 = oe.contract('abc->bc', t99, optimize=[(0,)])
+    t98 += oe.contract('a,bc->bca', t84, t100, optimize=[(0, 1)])
+    t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t101[...] = 0
     return H
 
 
@@ -1979,7 +2020,9 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdbe,ef->afcd', t21, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2031,46 +2074,46 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = t10 @ W_O
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_O.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = t14 @ t16
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = t9 @ W_O
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_O.transpose(-1, -2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = t13 @ t15
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t3
-    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t24 = t0.diagonal(0, 1, 3)
+    t25 = t19 @ X
+    t26 = t2 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t29 = oe.contract('abc->bc', t26, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 += oe.contract('a,bc->bca', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2299,7 +2342,9 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t22 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('ab,cbd,cde,ea->acd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2350,9 +2395,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -2376,22 +2420,23 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t26
-    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t24 = oe.contract('ab,cbd,cde->aecd', t22, t2, X, optimize=[(0, 1), (0, 1)])
+    t25 = t0.diagonal(0, 1, 3)
+    t26 = t20.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = t2 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -2896,7 +2941,8 @@ def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t10 @ G
     t16 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t17 = (1/n_batch) * t16
-    t1 += oe.contract('abc,d->bcd', t15, t17, optimize=[(0, 1)])
+    t18 = oe.contract('abc->bc', t15, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2985,7 +3031,9 @@ def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t16, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdbe,ef->afcd', t14, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3129,7 +3177,8 @@ def mse_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ M_1
     t16 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t17 = (1/n_batch) * t16
-    t1 += oe.contract('abc,d->bcd', t15, t17, optimize=[(0, 1)])
+    t18 = oe.contract('abc->bc', t15, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3214,165 +3263,202 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t15, M_2, X, t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = A @ X
-    M_1 = t16
-    t17 = t12.transpose(-1, -2)
-    t18 = M_1 @ t17
-    F = t18
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = t12 @ t3
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    t16 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t15, M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t18 = A @ X
+    M_1 = t18
+    t19 = t12.transpose(-1, -2)
+    t20 = M_1 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = t12 @ t3
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t24 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t28 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t34 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t27 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('ab,cdeb,ef,cdfg->agcd', t15, M_2, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_H))
-    t39 = t13.transpose(-1, -2)
-    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t38[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, M_1, t39, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 = G @ t10
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t43 = oe.contract('abc,abd->cdab', X, t41, optimize=[(0, 1)])
-    t44 = oe.contract('ab,cdeb->aecd', t42, M_2, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
-    t45 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t46 = t45.view((d_V, d_K, d_H, d_V))
-    t47 = M_1 @ W_V
-    t48 = oe.contract('ab,cdeb,ef,fg->agcd', t40, M_2, W_V, W_O, optimize=[(0, 1), (0, 1), (0, 1)])
-    t49 = oe.contract('abc,abd->cdab', X, t47, optimize=[(0, 1)])
-    t46[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
-    t50 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t51 = oe.contract('ab,cdeb,ef->afcd', t42, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t46 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t52[...] = 0
-    t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = t53.diagonal(0, 1, 3)
-    t55 = t30.transpose(-1, -2)
-    t54 += oe.contract('abc,d->bcd', t55, t32, optimize=[(0, 1)])
-    t56 = W_Q.transpose(-1, -2)
-    t57 = (1/(d_K*n_batch)) * t56
-    t58 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t59 = oe.contract('ab,cbd,cde->aecd', t57, t3, X, optimize=[(0, 1), (0, 1)])
-    t53 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
-    t60 = (2/(L*d_K*d_V*n_batch)) * t56
-    t53 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t60, M_2, X, t14, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_V, d_K, d_V, d_K))
-    t63 = oe.contract('ab,cdb,cde,ef->afcd', t60, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64 = oe.contract('abcd,ce,abef->dfab', M_2, t14, M_2, optimize=[(0, 1), (0, 1)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = oe.contract('ab,cbd,cde,ef->afcd', t57, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t66 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t62 += oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t68 = t67.view((d_V, d_K, d_V, d_H))
-    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t56
-    t70 = oe.contract('abcd,ce->deab', M_2, t39, optimize=[(0, 1)])
-    t71 = oe.contract('ab,cdb,cde->aecd', t69, X, M_1, optimize=[(0, 1), (0, 1)])
-    t68[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t73 = oe.contract('ab,cdb,cde->aecd', t72, X, t41, optimize=[(0, 1), (0, 1)])
-    t74 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t68 += oe.contract('abcd,efcd->eafb', t73, t74, optimize=[(0, 1)])
-    t75 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t76 = t75.view((d_V, d_K, d_H, d_V))
-    t77 = oe.contract('abcd,ce,ef->dfab', M_2, W_V, W_O, optimize=[(1, 2), (0, 1)])
-    t78 = oe.contract('ab,cdb,cde->aecd', t69, X, t47, optimize=[(0, 1), (0, 1)])
-    t76[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
-    t79 = oe.contract('ab,cdb,cde->aecd', t72, X, G, optimize=[(0, 1), (0, 1)])
-    t80 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t76 += oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
-    t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t82 = t81.view((d_V, d_H, d_V, d_K))
-    t83 = M_1.transpose(-1, -2)
-    t84 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t83
-    t82[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t84, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t85 = t41.transpose(-1, -2)
-    t86 = (1/(math.sqrt(d_K)*n_batch)) * t85
-    t87 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t88 = oe.contract('abc,acd->bdac', t86, X, optimize=[(0, 1)])
-    t82 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
-    t89 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t90 = t89.view((d_V, d_H, d_V, d_K))
-    t91 = oe.contract('abc,acd,de->beac', t84, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t92 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
-    t90[...] = oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
-    t93 = oe.contract('abc,acd,de->beac', t86, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t94 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t90 += oe.contract('abcd,efcd->eafb', t93, t94, optimize=[(0, 1)])
-    t95 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t96 = t95.view((d_V, d_H, d_V, d_H))
-    t97 = t83 @ M_1
-    t98 = W_O @ t10
-    t99 = (2/(L*d_V*n_batch)) * t98
-    t96[...] = oe.contract('abc,de->bdce', t97, t99, optimize=[(0, 1)])
-    t100 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t101 = t100.view((d_V, d_H, d_H, d_V))
-    t102 = (2/(L*d_V*n_batch)) * t83
-    t101[...] = oe.contract('abc,acd,ef->bedf', t102, t47, W_O, optimize=[(0, 1), (0, 1)])
-    t103 = t101.diagonal(0, 1, 2)
-    t104 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t105 = (1/n_batch) * t104
-    t106 = oe.contract('abc,acd->bd', t83, G, optimize=[(0, 1)])
-    t103 += oe.contract('a,bc->bca', t105, t106, optimize=[(0, 1)])
-    t107 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t108 = t107.view((d_H, d_V, d_V, d_K))
-    t109 = t47.transpose(-1, -2)
-    t110 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t109
-    t111 = oe.contract('ab,bc,decf,fg->agde', t10, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
-    t112 = oe.contract('abc,acd->bdac', t110, X, optimize=[(0, 1)])
-    t108[...] = oe.contract('abcd,efcd->eafb', t111, t112, optimize=[(0, 1)])
-    t113 = G.transpose(-1, -2)
-    t114 = (1/(math.sqrt(d_K)*n_batch)) * t113
-    t108 += oe.contract('abc,de,acef,acg,fh->dbgh', t114, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t115 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t116 = t115.view((d_H, d_V, d_V, d_K))
-    t117 = oe.contract('abc,acd,de->beac', t110, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t118 = oe.contract('ab,bc,decf->afde', t10, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t116[...] = oe.contract('abcd,efcd->aefb', t117, t118, optimize=[(0, 1)])
-    t119 = oe.contract('abc,acd,de->beac', t114, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t120 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
-    t116 += oe.contract('abcd,efcd->eafb', t119, t120, optimize=[(0, 1)])
-    t121 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t122 = t121.view((d_H, d_V, d_V, d_H))
-    t123 = t109 @ M_1
-    t124 = (2/(L*d_V*n_batch)) * t10
-    t122[...] = oe.contract('abc,de->bdce', t123, t124, optimize=[(0, 1)])
-    t125 = t122.diagonal(0, 0, 3)
-    t126 = t113 @ M_1
-    t125 += oe.contract('abc,d->bcd', t126, t105, optimize=[(0, 1)])
-    t127 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t127[...] = 0
-    t128 = t127.view((d_H, d_V, d_H, d_V))
-    t129 = t128.diagonal(0, 1, 3)
-    t130 = t109 @ t47
-    t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t132 = (2/(L*d_V*n_batch)) * t131
-    t129 += oe.contract('abc,d->bcd', t130, t132, optimize=[(0, 1)])
+    t27 = (1/(d_K*n_batch)) * t2
+    t28 = oe.contract('ab,cdbe,ef->afcd', t27, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t30 = t16.reshape(*t16.shape[:2], -1)
+    t31 = t28.reshape(*t28.shape[:2], -1)
+    t32 = torch.cat([t30, t31], dim=-1)
+    t33 = t17.reshape(*t17.shape[:2], -1)
+    t34 = t29.reshape(*t29.shape[:2], -1)
+    t35 = torch.cat([t33, t34], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t32, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t38 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t40 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdeb,ef,cdfg->agcd', t15, M_2, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = t37.diagonal(0, 1, 3)
+    t43 = t26 @ X
+    t44 = t3 @ t43
+    t45 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t47 = oe.contract('abc->bc', t44, optimize=[(0,)])
+    t48 = t38.reshape(*t38.shape[:2], -1)
+    t49 = t40.reshape(*t40.shape[:2], -1)
+    t50 = torch.cat([t48, t49], dim=-1)
+    t51 = t39.reshape(*t39.shape[:2], -1)
+    t52 = t41.reshape(*t41.shape[:2], -1)
+    t53 = torch.cat([t51, t52], dim=-1)
+    t37[...] = oe.contract('abg,efg->aefb', t50, t53, optimize=[(0, 1)])
+    t42 += oe.contract('a,bc->bca', t46, t47, optimize=[(0, 1)])
+    t54 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t55 = t54.view((d_V, d_K, d_V, d_H))
+    t56 = t13.transpose(-1, -2)
+    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t58 = oe.contract('ab,cdeb,ef->afcd', t57, M_2, t56, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t60 = G @ t10
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t62 = oe.contract('abc,abd->cdab', X, t60, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdeb->aecd', t61, M_2, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t55 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t65 = t64.view((d_V, d_K, d_H, d_V))
+    t66 = M_1 @ W_V
+    t67 = oe.contract('ab,cdeb,ef,fg->agcd', t57, M_2, W_V, W_O, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('abc,abd->cdab', X, t66, optimize=[(0, 1)])
+    t69 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t70 = oe.contract('ab,cdeb,ef->afcd', t61, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
+    t71 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t72 = t71.view((d_V, d_K, d_V, d_K))
+    t73 = W_Q.transpose(-1, -2)
+    t74 = (1/(d_K*n_batch)) * t73
+    t75 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t76 = oe.contract('ab,cbd,cde->aecd', t74, t3, X, optimize=[(0, 1), (0, 1)])
+    t77 = (2/(L*d_K*d_V*n_batch)) * t73
+    t78 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t79 = oe.contract('ab,cdb,cde->aecd', t77, X, X, optimize=[(0, 1), (0, 1)])
+    t80 = t72.diagonal(0, 1, 3)
+    t81 = t44.transpose(-1, -2)
+    t82 = oe.contract('abc->bc', t81, optimize=[(0,)])
+    t83 = t75.reshape(*t75.shape[:2], -1)
+    t84 = t78.reshape(*t78.shape[:2], -1)
+    t85 = torch.cat([t83, t84], dim=-1)
+    t86 = t76.reshape(*t76.shape[:2], -1)
+    t87 = t79.reshape(*t79.shape[:2], -1)
+    t88 = torch.cat([t86, t87], dim=-1)
+    t72[...] = oe.contract('abg,efg->aefb', t85, t88, optimize=[(0, 1)])
+    t80 += oe.contract('a,bc->bca', t46, t82, optimize=[(0, 1)])
+    t89 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t90 = t89.view((d_V, d_K, d_V, d_K))
+    t91 = oe.contract('ab,cdb,cde,ef->afcd', t77, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t92 = oe.contract('abcd,ce,abef->dfab', M_2, t14, M_2, optimize=[(0, 1), (0, 1)])
+    t93 = oe.contract('ab,cbd,cde,ef->afcd', t74, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t94 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t95 = t91.reshape(*t91.shape[:2], -1)
+    t96 = t93.reshape(*t93.shape[:2], -1)
+    t97 = torch.cat([t95, t96], dim=-1)
+    t98 = t92.reshape(*t92.shape[:2], -1)
+    t99 = t94.reshape(*t94.shape[:2], -1)
+    t100 = torch.cat([t98, t99], dim=-1)
+    t90[...] = oe.contract('abg,efg->eafb', t97, t100, optimize=[(0, 1)])
+    t101 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t102 = t101.view((d_V, d_K, d_V, d_H))
+    t103 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t73
+    t104 = oe.contract('abcd,ce->deab', M_2, t56, optimize=[(0, 1)])
+    t105 = oe.contract('ab,cdb,cde->aecd', t103, X, M_1, optimize=[(0, 1), (0, 1)])
+    t106 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t107 = oe.contract('ab,cdb,cde->aecd', t106, X, t60, optimize=[(0, 1), (0, 1)])
+    t108 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t102[...] = oe.contract('abcd,efcd->aefb', t104, t105, optimize=[(0, 1)])
+    t102 += oe.contract('abcd,efcd->eafb', t107, t108, optimize=[(0, 1)])
+    t109 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t110 = t109.view((d_V, d_K, d_H, d_V))
+    t111 = oe.contract('abcd,ce,ef->dfab', M_2, W_V, W_O, optimize=[(1, 2), (0, 1)])
+    t112 = oe.contract('ab,cdb,cde->aecd', t103, X, t66, optimize=[(0, 1), (0, 1)])
+    t113 = oe.contract('ab,cdb,cde->aecd', t106, X, G, optimize=[(0, 1), (0, 1)])
+    t114 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t110[...] = oe.contract('abcd,efcd->aefb', t111, t112, optimize=[(0, 1)])
+    t110 += oe.contract('abcd,efcd->eafb', t113, t114, optimize=[(0, 1)])
+    t115 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t116 = t115.view((d_V, d_H, d_V, d_K))
+    t117 = M_1.transpose(-1, -2)
+    t118 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t117
+    t119 = oe.contract('ab,cdbe,ef->afcd', t13, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t120 = oe.contract('abc,acd->bdac', t118, X, optimize=[(0, 1)])
+    t121 = t60.transpose(-1, -2)
+    t122 = (1/(math.sqrt(d_K)*n_batch)) * t121
+    t123 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t124 = oe.contract('abc,acd->bdac', t122, X, optimize=[(0, 1)])
+    t116[...] = oe.contract('abcd,efcd->eafb', t119, t120, optimize=[(0, 1)])
+    t116 += oe.contract('abcd,efcd->aefb', t123, t124, optimize=[(0, 1)])
+    t125 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t126 = t125.view((d_V, d_H, d_V, d_K))
+    t127 = oe.contract('abc,acd,de->beac', t118, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t128 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t129 = oe.contract('abc,acd,de->beac', t122, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t130 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t126[...] = oe.contract('abcd,efcd->aefb', t127, t128, optimize=[(0, 1)])
+    t126 += oe.contract('abcd,efcd->eafb', t129, t130, optimize=[(0, 1)])
+    t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t132 = t131.view((d_V, d_H, d_V, d_H))
+    t133 = t117 @ M_1
+    t134 = W_O @ t10
+    t135 = (2/(L*d_V*n_batch)) * t134
+    t136 = oe.contract('abc->bc', t133, optimize=[(0,)])
+    t132[...] = oe.contract('ab,cd->cadb', t135, t136, optimize=[(0, 1)])
+    t137 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t138 = t137.view((d_V, d_H, d_H, d_V))
+    t139 = (2/(L*d_V*n_batch)) * t117
+    t140 = oe.contract('abc,acd->bd', t139, t66, optimize=[(0, 1)])
+    t141 = t138.diagonal(0, 1, 2)
+    t142 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t143 = (1/n_batch) * t142
+    t144 = oe.contract('abc,acd->bd', t117, G, optimize=[(0, 1)])
+    t138[...] = oe.contract('ab,cd->cadb', W_O, t140, optimize=[(0, 1)])
+    t141 += oe.contract('a,bc->bca', t143, t144, optimize=[(0, 1)])
+    t145 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t146 = t145.view((d_H, d_V, d_V, d_K))
+    t147 = t66.transpose(-1, -2)
+    t148 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t147
+    t149 = oe.contract('ab,bc,decf,fg->agde', t10, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t150 = oe.contract('abc,acd->bdac', t148, X, optimize=[(0, 1)])
+    t151 = G.transpose(-1, -2)
+    t152 = (1/(math.sqrt(d_K)*n_batch)) * t151
+    t153 = oe.contract('ab,cdbe,ef->afcd', t11, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t154 = oe.contract('abc,acd->bdac', t152, X, optimize=[(0, 1)])
+    t146[...] = oe.contract('abcd,efcd->eafb', t149, t150, optimize=[(0, 1)])
+    t146 += oe.contract('abcd,efcd->aefb', t153, t154, optimize=[(0, 1)])
+    t155 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t156 = t155.view((d_H, d_V, d_V, d_K))
+    t157 = oe.contract('abc,acd,de->beac', t148, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t158 = oe.contract('ab,bc,decf->afde', t10, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t159 = oe.contract('abc,acd,de->beac', t152, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t160 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
+    t156[...] = oe.contract('abcd,efcd->aefb', t157, t158, optimize=[(0, 1)])
+    t156 += oe.contract('abcd,efcd->eafb', t159, t160, optimize=[(0, 1)])
+    t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t162 = t161.view((d_H, d_V, d_V, d_H))
+    t163 = t147 @ M_1
+    t164 = (2/(L*d_V*n_batch)) * t10
+    t165 = oe.contract('abc->bc', t163, optimize=[(0,)])
+    t166 = t162.diagonal(0, 0, 3)
+    t167 = t151 @ M_1
+    t168 = oe.contract('abc->bc', t167, optimize=[(0,)])
+    t162[...] = oe.contract('ab,cd->cadb', t164, t165, optimize=[(0, 1)])
+    t166 += oe.contract('a,bc->bca', t143, t168, optimize=[(0, 1)])
+    t169 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t169[...] = 0
+    t170 = t169.view((d_H, d_V, d_H, d_V))
+    t171 = t170.diagonal(0, 1, 3)
+    t172 = t147 @ t66
+    t173 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t174 = (2/(L*d_V*n_batch)) * t173
+    t175 = oe.contract('abc->bc', t172, optimize=[(0,)])
+    t171 += oe.contract('a,bc->bca', t174, t175, optimize=[(0, 1)])
     return H
 
 
@@ -3588,7 +3674,6 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
     t15 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
     t16 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     t17 = A @ X
     M_1 = t17
     t18 = t11.transpose(-1, -2)
@@ -3608,6 +3693,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (1/(d_K*n_batch)) * t1
     t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
@@ -3684,25 +3770,34 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = A @ X
-    M_1 = t15
-    t16 = t11.transpose(-1, -2)
-    t17 = M_1 @ t16
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = t11 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t15 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t14, M_2, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t17 = A @ X
+    M_1 = t17
+    t18 = t11.transpose(-1, -2)
+    t19 = M_1 @ t18
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = t11 @ t2
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cdbe,ef->afcd', t26, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t29 = t15.reshape(*t15.shape[:2], -1)
+    t30 = t27.reshape(*t27.shape[:2], -1)
+    t31 = torch.cat([t29, t30], dim=-1)
+    t32 = t16.reshape(*t16.shape[:2], -1)
+    t33 = t28.reshape(*t28.shape[:2], -1)
+    t34 = torch.cat([t32, t33], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t31, t34, optimize=[(0, 1)])
     return out
 
 
@@ -3760,57 +3855,62 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = t10 @ W_O
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_O.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = t14 @ t16
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = t9 @ W_O
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = W_O.transpose(-1, -2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = t13 @ t15
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t3
-    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t29 = t14 @ t15
-    t30 = W_O @ t29
-    t31 = W_V @ t30
-    t32 = (2/(L*d_K*d_V*n_batch)) * t3
-    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t32, M_2, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t24 = t13 @ t14
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (2/(L*d_K*d_V*n_batch)) * t1
+    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = t0.diagonal(0, 1, 3)
+    t31 = t19 @ X
+    t32 = t2 @ t31
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
+    t36 = t22.reshape(*t22.shape[:2], -1)
+    t37 = t28.reshape(*t28.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t39 = t23.reshape(*t23.shape[:2], -1)
+    t40 = t29.reshape(*t29.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t38, t41, optimize=[(0, 1)])
+    t30 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -3891,18 +3991,20 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O @ t10
     t12 = W_V @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t13, M_2, X, M_1, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t14 = M_1 @ W_V
-    t15 = t14 @ W_O
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G @ t10
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = oe.contract('abc,abd->cdab', X, t18, optimize=[(0, 1)])
-    t21 = oe.contract('ab,cdeb->aecd', t19, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdeb,ef->afcd', t13, M_2, t12, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t16 = M_1 @ W_V
+    t17 = t16 @ W_O
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t10
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('abc,abd->cdab', X, t20, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cdeb->aecd', t21, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -3971,7 +4073,6 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = oe.contract('ab,cdeb,ef,fg->agcd', t11, M_2, W_V, W_O, optimize=[(0, 1), (0, 1), (0, 1)])
     t13 = oe.contract('abc,abd->cdab', X, t10, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     t14 = t10 @ W_O
     F = t14
     t15 = F - Y
@@ -3980,6 +4081,7 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
     t19 = oe.contract('ab,cdeb,ef->afcd', t17, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -4048,7 +4150,6 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
     t16 = oe.contract('ab,cdb,cde,ea->acd', t15, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t17 = oe.contract('abcd,ce,abed->dab', M_2, t14, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     t18 = A @ X
     M_1 = t18
     t19 = t12.transpose(-1, -2)
@@ -4066,7 +4167,10 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t28 = oe.contract('ab,cbd,cde,ea->acd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -4123,9 +4227,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -4149,31 +4252,39 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t26
-    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t24 = oe.contract('ab,cbd,cde->aecd', t22, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = t14 @ t15
-    t32 = W_O @ t31
-    t33 = W_V @ t32
-    t34 = (2/(L*d_K*d_V*n_batch)) * t26
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t33, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t25 = t14 @ t15
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t1
+    t29 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t27, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('ab,cdb,cde->aecd', t28, X, X, optimize=[(0, 1), (0, 1)])
+    t31 = t0.diagonal(0, 1, 3)
+    t32 = t20.transpose(-1, -2)
+    t33 = t32 @ X
+    t34 = t2 @ t33
+    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t37 = oe.contract('abc->bc', t34, optimize=[(0,)])
+    t38 = t23.reshape(*t23.shape[:2], -1)
+    t39 = t29.reshape(*t29.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t41 = t24.reshape(*t24.shape[:2], -1)
+    t42 = t30.reshape(*t30.shape[:2], -1)
+    t43 = torch.cat([t41, t42], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t40, t43, optimize=[(0, 1)])
+    t31 += oe.contract('a,bc->bca', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -4259,7 +4370,6 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
     t16 = oe.contract('ab,cdb,cde,ef->afcd', t15, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t17 = oe.contract('abcd,ce,abef->dfab', M_2, t14, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     t18 = A @ X
     M_1 = t18
     t19 = t12.transpose(-1, -2)
@@ -4279,7 +4389,13 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = (1/(d_K*n_batch)) * t1
     t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t30 = t16.reshape(*t16.shape[:2], -1)
+    t31 = t28.reshape(*t28.shape[:2], -1)
+    t32 = torch.cat([t30, t31], dim=-1)
+    t33 = t17.reshape(*t17.shape[:2], -1)
+    t34 = t29.reshape(*t29.shape[:2], -1)
+    t35 = torch.cat([t33, t34], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t32, t35, optimize=[(0, 1)])
     return out
 
 
@@ -4361,7 +4477,6 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = oe.contract('abcd,ce->deab', M_2, t13, optimize=[(0, 1)])
     t16 = oe.contract('ab,cdb,cde->aecd', t14, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t17 = M_1 @ W_V
     t18 = t17 @ W_O
     F = t18
@@ -4372,6 +4487,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = oe.contract('ab,cdb,cde->aecd', t22, X, t21, optimize=[(0, 1), (0, 1)])
     t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
@@ -4443,7 +4559,6 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = oe.contract('abcd,ce,ef->dfab', M_2, W_V, W_O, optimize=[(1, 2), (0, 1)])
     t14 = oe.contract('ab,cdb,cde->aecd', t12, X, t11, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t15 = t11 @ W_O
     F = t15
     t16 = F - Y
@@ -4452,6 +4567,7 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t19 = oe.contract('ab,cdb,cde->aecd', t18, X, G, optimize=[(0, 1), (0, 1)])
     t20 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
@@ -4514,7 +4630,9 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = oe.contract('abb,cc->bc', t10, t13, optimize=[(0, 1)])
+    t14 = oe.contract('aa->a', t13, optimize=[(0,)])
+    t15 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4572,19 +4690,21 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t15, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = t12.transpose(-1, -2)
-    t17 = M_1 @ t16
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = W_O @ t20
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdbe,ef->afcd', t13, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t18 = t12.transpose(-1, -2)
+    t19 = M_1 @ t18
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = W_O @ t22
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4660,7 +4780,6 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t16 = oe.contract('abc,acd,de->beac', t15, X, W_Q, optimize=[(1, 2), (0, 1)])
     t17 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     t18 = t12.transpose(-1, -2)
     t19 = M_1 @ t18
     F = t19
@@ -4672,6 +4791,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = oe.contract('abc,acd,de->beac', t24, X, W_Q, optimize=[(1, 2), (0, 1)])
     t26 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
@@ -4740,7 +4860,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = oe.contract('abc,de->bdce', t10, t13, optimize=[(0, 1)])
+    t14 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4792,17 +4913,18 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = M_1 @ W_V
     t11 = (2/(L*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,ef->bedf', t11, t10, W_O, optimize=[(0, 1), (0, 1)])
-    t12 = t0.diagonal(0, 1, 2)
-    t13 = t10 @ W_O
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t17 = (1/n_batch) * t16
-    t18 = oe.contract('abc,acd->bd', t9, G, optimize=[(0, 1)])
-    t12 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd->bd', t11, t10, optimize=[(0, 1)])
+    t13 = t0.diagonal(0, 1, 2)
+    t14 = t10 @ W_O
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t18 = (1/n_batch) * t17
+    t19 = oe.contract('abc,acd->bd', t9, G, optimize=[(0, 1)])
+    t0[...] = oe.contract('ab,cd->cadb', W_O, t12, optimize=[(0, 1)])
+    t13 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4861,7 +4983,8 @@ def mse_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4921,7 +5044,6 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t15 = oe.contract('ab,bc,decf,fg->agde', t12, t1, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     t17 = t11.transpose(-1, -2)
     t18 = t17 @ W_O
     F = t18
@@ -4930,7 +5052,10 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = G.transpose(-1, -2)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t0 += oe.contract('abc,de,acef,acg,fh->dbgh', t22, t1, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdbe,ef->afcd', t1, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5003,7 +5128,6 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
     t16 = oe.contract('ab,bc,decf->afde', t12, t1, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t17 = t11.transpose(-1, -2)
     t18 = t17 @ W_O
     F = t18
@@ -5014,6 +5138,7 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
     t24 = oe.contract('ab,cdbe->aecd', t1, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
@@ -5081,19 +5206,21 @@ def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
-    t15 = t0.diagonal(0, 0, 3)
-    t16 = t11.transpose(-1, -2)
-    t17 = t16 @ W_O
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = t20 @ M_1
-    t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t23 = (1/n_batch) * t22
-    t15 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bc', t12, optimize=[(0,)])
+    t16 = t0.diagonal(0, 0, 3)
+    t17 = t11.transpose(-1, -2)
+    t18 = t17 @ W_O
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = t21 @ M_1
+    t23 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t24 = (1/n_batch) * t23
+    t25 = oe.contract('abc->bc', t22, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t14, t15, optimize=[(0, 1)])
+    t16 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5160,7 +5287,8 @@ def mse_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t12 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6064,7 +6192,7 @@ def causal0__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     t9 = out.view((n_batch, L, d_V, d_H, d_V,))
     t10 = t9.diagonal(0, -3, -1)
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t10[...] = oe.contract('abc,d->abcd', t8, t11, optimize=[(0, 1)])
+    t10[...] = oe.contract('a,bcd->bcda', t11, t8, optimize=[(0, 1)])
     return out
 
 
@@ -6196,89 +6324,105 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t17, M_2, X, t16, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t21 = oe.contract('ab,cdeb,ef,cdfg->agcd', t17, M_2, t16, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_H))
-    t24 = A @ X
-    M_1 = t24
-    t25 = t15.transpose(-1, -2)
-    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t23[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t26, M_2, X, M_1, t25, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_H, d_V))
-    t29 = M_1 @ W_V
-    t30 = t14.transpose(-1, -2)
-    t28[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t26, M_2, X, t29, t30, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = W_Q.transpose(-1, -2)
-    t34 = (2/(L*d_K*d_V*n_batch)) * t33
-    t32[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = oe.contract('ab,cdb,cde,ef->afcd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = oe.contract('abcd,ce,abef->dfab', M_2, t16, M_2, optimize=[(0, 1), (0, 1)])
-    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_H))
-    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
-    t42 = oe.contract('abcd,ce->deab', M_2, t25, optimize=[(0, 1)])
-    t43 = oe.contract('ab,cdb,cde->aecd', t41, X, M_1, optimize=[(0, 1), (0, 1)])
-    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = t44.view((d_V, d_K, d_H, d_V))
-    t46 = oe.contract('abcd,ce->deab', M_2, t30, optimize=[(0, 1)])
-    t47 = oe.contract('ab,cdb,cde->aecd', t41, X, t29, optimize=[(0, 1), (0, 1)])
-    t45[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t49 = t48.view((d_V, d_H, d_V, d_K))
-    t50 = M_1.transpose(-1, -2)
-    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t49[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t51, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_H, d_V, d_K))
-    t54 = oe.contract('abc,acd,de->beac', t51, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t55 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t17, M_2, t16, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdfg->agcd', t17, M_2, t16, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_H))
+    t26 = A @ X
+    M_1 = t26
+    t27 = t15.transpose(-1, -2)
+    t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t29 = oe.contract('ab,cdeb,ef->afcd', t28, M_2, t27, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t25[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_H, d_V))
+    t33 = M_1 @ W_V
+    t34 = t14.transpose(-1, -2)
+    t35 = oe.contract('ab,cdeb,ef->afcd', t28, M_2, t34, optimize=[(0, 1), (0, 1)])
+    t36 = oe.contract('abc,abd->cdab', X, t33, optimize=[(0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t39 = W_Q.transpose(-1, -2)
+    t40 = (2/(L*d_K*d_V*n_batch)) * t39
+    t41 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t16, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('ab,cdb,cde->aecd', t40, X, X, optimize=[(0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_V, d_K))
+    t45 = oe.contract('ab,cdb,cde,ef->afcd', t40, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('abcd,ce,abef->dfab', M_2, t16, M_2, optimize=[(0, 1), (0, 1)])
+    t44[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_H))
+    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t39
+    t50 = oe.contract('abcd,ce->deab', M_2, t27, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cdb,cde->aecd', t49, X, M_1, optimize=[(0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_H, d_V))
+    t54 = oe.contract('abcd,ce->deab', M_2, t34, optimize=[(0, 1)])
+    t55 = oe.contract('ab,cdb,cde->aecd', t49, X, t33, optimize=[(0, 1), (0, 1)])
     t53[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t57 = t56.view((d_V, d_H, d_V, d_H))
-    t58 = t50 @ M_1
-    t59 = W_O @ t12
-    t60 = (2/(L*d_V*n_batch)) * t59
-    t57[...] = oe.contract('abc,de->bdce', t58, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t62 = t61.view((d_V, d_H, d_H, d_V))
-    t63 = t50 @ t29
-    t64 = (2/(L*d_V*n_batch)) * W_O
-    t62[...] = oe.contract('abc,de->bdce', t63, t64, optimize=[(0, 1)])
-    t65 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t66 = t65.view((d_H, d_V, d_V, d_K))
-    t67 = t29.transpose(-1, -2)
-    t68 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
-    t66[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t68, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t70 = t69.view((d_H, d_V, d_V, d_K))
-    t71 = oe.contract('abc,acd,de->beac', t68, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t72 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
-    t70[...] = oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t74 = t73.view((d_H, d_V, d_V, d_H))
-    t75 = t63.transpose(-1, -2)
-    t76 = (2/(L*d_V*n_batch)) * t12
-    t74[...] = oe.contract('abc,de->bdce', t75, t76, optimize=[(0, 1)])
-    t77 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t77[...] = 0
-    t78 = t77.view((d_H, d_V, d_H, d_V))
-    t79 = t78.diagonal(0, 1, 3)
-    t80 = t67 @ t29
-    t81 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t82 = (2/(L*d_V*n_batch)) * t81
-    t79 += oe.contract('abc,d->bcd', t80, t82, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t57 = t56.view((d_V, d_H, d_V, d_K))
+    t58 = M_1.transpose(-1, -2)
+    t59 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
+    t60 = oe.contract('ab,cdbe,ef->afcd', t15, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t61 = oe.contract('abc,acd->bdac', t59, X, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t63 = t62.view((d_V, d_H, d_V, d_K))
+    t64 = oe.contract('abc,acd,de->beac', t59, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t65 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t67 = t66.view((d_V, d_H, d_V, d_H))
+    t68 = t58 @ M_1
+    t69 = W_O @ t12
+    t70 = (2/(L*d_V*n_batch)) * t69
+    t71 = oe.contract('abc->bc', t68, optimize=[(0,)])
+    t67[...] = oe.contract('ab,cd->cadb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t73 = t72.view((d_V, d_H, d_H, d_V))
+    t74 = t58 @ t33
+    t75 = (2/(L*d_V*n_batch)) * W_O
+    t76 = oe.contract('abc->bc', t74, optimize=[(0,)])
+    t73[...] = oe.contract('ab,cd->cadb', t75, t76, optimize=[(0, 1)])
+    t77 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t78 = t77.view((d_H, d_V, d_V, d_K))
+    t79 = t33.transpose(-1, -2)
+    t80 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t79
+    t81 = oe.contract('ab,cdbe,ef->afcd', t14, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abc,acd->bdac', t80, X, optimize=[(0, 1)])
+    t78[...] = oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t84 = t83.view((d_H, d_V, d_V, d_K))
+    t85 = oe.contract('abc,acd,de->beac', t80, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t86 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
+    t84[...] = oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t87 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t88 = t87.view((d_H, d_V, d_V, d_H))
+    t89 = t74.transpose(-1, -2)
+    t90 = (2/(L*d_V*n_batch)) * t12
+    t91 = oe.contract('abc->bc', t89, optimize=[(0,)])
+    t88[...] = oe.contract('ab,cd->cadb', t90, t91, optimize=[(0, 1)])
+    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t92[...] = 0
+    t93 = t92.view((d_H, d_V, d_H, d_V))
+    t94 = t93.diagonal(0, 1, 3)
+    t95 = t79 @ t33
+    t96 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t97 = (2/(L*d_V*n_batch)) * t96
+    t98 = oe.contract('abc->bc', t95, optimize=[(0,)])
+    t94 += oe.contract('a,bc->bca', t97, t98, optimize=[(0, 1)])
     return H
 
 
@@ -6510,7 +6654,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t16, M_2, t15, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t18 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6644,7 +6790,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t15, M_2, X, M_1, t14, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('ab,cdeb,ef->afcd', t15, M_2, t14, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6709,7 +6857,9 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t14, M_2, X, t12, t13, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef->afcd', t14, M_2, t13, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, t12, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -6843,7 +6993,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t17, M_2, X, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t16, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7114,7 +7266,9 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,cc->bc', t12, t15, optimize=[(0, 1)])
+    t16 = oe.contract('aa->a', t15, optimize=[(0,)])
+    t17 = oe.contract('abb->b', t12, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -7176,7 +7330,9 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t17, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdbe,ef->afcd', t15, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7312,7 +7468,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abc,de->bdce', t12, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bc', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -7369,7 +7526,8 @@ def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = (2/(L*d_V*n_batch)) * W_O
-    t0[...] = oe.contract('abc,de->bdce', t13, t14, optimize=[(0, 1)])
+    t15 = oe.contract('abc->bc', t13, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -7428,7 +7586,8 @@ def mse_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t13 @ t14
     t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t17 = (2/(L*d_V*n_batch)) * t16
-    t0[...] = oe.contract('abb,c->bc', t15, t17, optimize=[(0, 1)])
+    t18 = oe.contract('abb->b', t15, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7491,7 +7650,9 @@ def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t17, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdbe,ef->afcd', t15, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7628,7 +7789,8 @@ def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ M_1
     t15 = W_O.transpose(-1, -2)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t0[...] = oe.contract('abc,de->bdce', t14, t16, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -7691,7 +7853,8 @@ def mse_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t14 @ t15
     t17 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t18 = (2/(L*d_V*n_batch)) * t17
-    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bc', t16, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7765,103 +7928,109 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t22 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_H))
+    t25 = oe.contract('ab,cdbe,ef->afcd', t24, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t31 = t28.diagonal(0, 1, 3)
+    t32 = t22 @ X
+    t33 = t3 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc->bc', t33, optimize=[(0,)])
+    t28[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t36 = G @ t16
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t38 = oe.contract('abc,abd->cdab', X, t36, optimize=[(0, 1)])
-    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
-    t35[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_H, d_V))
-    t42 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t43 = oe.contract('ab,cdeb,ef->afcd', t37, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t41[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = t29.transpose(-1, -2)
-    t46 += oe.contract('abc,d->bcd', t47, t31, optimize=[(0, 1)])
-    t48 = W_Q.transpose(-1, -2)
-    t49 = (1/(d_K*n_batch)) * t48
-    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
-    t45 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t57 = t56.view((d_V, d_K, d_V, d_H))
-    t58 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, t36, optimize=[(0, 1), (0, 1)])
-    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t62 = t61.view((d_V, d_K, d_H, d_V))
-    t63 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
-    t64 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t66 = t65.view((d_V, d_H, d_V, d_K))
-    t67 = t36.transpose(-1, -2)
-    t68 = (1/(math.sqrt(d_K)*n_batch)) * t67
-    t69 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t70 = oe.contract('abc,acd->bdac', t68, X, optimize=[(0, 1)])
-    t66[...] = oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t72 = t71.view((d_V, d_H, d_V, d_K))
-    t73 = oe.contract('abc,acd,de->beac', t68, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t74 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t72[...] = oe.contract('abcd,efcd->eafb', t73, t74, optimize=[(0, 1)])
-    t75 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t75[...] = 0
-    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t76[...] = 0
-    t77 = t76.view((d_V, d_H, d_H, d_V))
-    t78 = t77.diagonal(0, 1, 2)
-    t79 = M_1.transpose(-1, -2)
-    t80 = t79 @ G
-    t81 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t82 = (1/n_batch) * t81
-    t78 += oe.contract('abc,d->bcd', t80, t82, optimize=[(0, 1)])
-    t83 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t84 = t83.view((d_H, d_V, d_V, d_K))
-    t85 = G.transpose(-1, -2)
-    t86 = (1/(math.sqrt(d_K)*n_batch)) * t85
-    t84[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t86, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t87 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t88 = t87.view((d_H, d_V, d_V, d_K))
-    t89 = oe.contract('abc,acd,de->beac', t86, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t90 = oe.contract('ab,cdbe->aecd', t17, M_2, optimize=[(0, 1)])
-    t88[...] = oe.contract('abcd,efcd->eafb', t89, t90, optimize=[(0, 1)])
-    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t91[...] = 0
-    t92 = t91.view((d_H, d_V, d_V, d_H))
-    t93 = t92.diagonal(0, 0, 3)
-    t94 = t80.transpose(-1, -2)
-    t93 += oe.contract('abc,d->bcd', t94, t82, optimize=[(0, 1)])
-    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t95[...] = 0
+    t39 = G @ t16
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t41 = oe.contract('abc,abd->cdab', X, t39, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cdeb->aecd', t40, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_H, d_V))
+    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cdeb,ef->afcd', t40, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t44[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = W_Q.transpose(-1, -2)
+    t50 = (1/(d_K*n_batch)) * t49
+    t51 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t52 = oe.contract('ab,cbd,cde->aecd', t50, t3, X, optimize=[(0, 1), (0, 1)])
+    t53 = t48.diagonal(0, 1, 3)
+    t54 = t33.transpose(-1, -2)
+    t55 = oe.contract('abc->bc', t54, optimize=[(0,)])
+    t48[...] = oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
+    t53 += oe.contract('a,bc->bca', t35, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_K))
+    t58 = oe.contract('ab,cbd,cde,ef->afcd', t50, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t59 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t61 = t60.view((d_V, d_K, d_V, d_H))
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t63 = oe.contract('ab,cdb,cde->aecd', t62, X, t39, optimize=[(0, 1), (0, 1)])
+    t64 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t66 = t65.view((d_V, d_K, d_H, d_V))
+    t67 = oe.contract('ab,cdb,cde->aecd', t62, X, G, optimize=[(0, 1), (0, 1)])
+    t68 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t70 = t69.view((d_V, d_H, d_V, d_K))
+    t71 = t39.transpose(-1, -2)
+    t72 = (1/(math.sqrt(d_K)*n_batch)) * t71
+    t73 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd->bdac', t72, X, optimize=[(0, 1)])
+    t70[...] = oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
+    t75 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t76 = t75.view((d_V, d_H, d_V, d_K))
+    t77 = oe.contract('abc,acd,de->beac', t72, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t78 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t76[...] = oe.contract('abcd,efcd->eafb', t77, t78, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t79[...] = 0
+    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t80[...] = 0
+    t81 = t80.view((d_V, d_H, d_H, d_V))
+    t82 = t81.diagonal(0, 1, 2)
+    t83 = M_1.transpose(-1, -2)
+    t84 = t83 @ G
+    t85 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t86 = (1/n_batch) * t85
+    t87 = oe.contract('abc->bc', t84, optimize=[(0,)])
+    t82 += oe.contract('a,bc->bca', t86, t87, optimize=[(0, 1)])
+    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t89 = t88.view((d_H, d_V, d_V, d_K))
+    t90 = G.transpose(-1, -2)
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t90
+    t92 = oe.contract('ab,cdbe,ef->afcd', t17, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t93 = oe.contract('abc,acd->bdac', t91, X, optimize=[(0, 1)])
+    t89[...] = oe.contract('abcd,efcd->aefb', t92, t93, optimize=[(0, 1)])
+    t94 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = t94.view((d_H, d_V, d_V, d_K))
+    t96 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('ab,cdbe->aecd', t17, M_2, optimize=[(0, 1)])
+    t95[...] = oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t98[...] = 0
+    t99 = t98.view((d_H, d_V, d_V, d_H))
+    t100 = t99.diagonal(0, 0, 3)
+    t101 = t84.transpose(-1, -2)
+    t102 = oe.contract('abc->bc', t101, optimize=[(0,)])
+    t100 += oe.contract('a,bc->bca', t86, t102, optimize=[(0, 1)])
+    t103 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t103[...] = 0
     return H
 
 
@@ -8152,7 +8321,9 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ef->afcd', t23, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8206,48 +8377,48 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_O.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = t16 @ t18
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = t11 @ W_O
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_O.transpose(-1, -2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = t15 @ t17
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t26 = t0.diagonal(0, 1, 3)
+    t27 = t21 @ X
+    t28 = t2 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8488,7 +8659,9 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ea->acd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -8541,9 +8714,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -8569,22 +8741,23 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
-    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t28
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cbd,cde->aecd', t24, t2, X, optimize=[(0, 1), (0, 1)])
+    t27 = t0.diagonal(0, 1, 3)
+    t28 = t22.transpose(-1, -2)
+    t29 = t28 @ X
+    t30 = t2 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -9113,7 +9286,8 @@ def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t12 @ G
     t18 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t19 = (1/n_batch) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -9206,7 +9380,9 @@ def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t18, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdbe,ef->afcd', t16, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -9358,7 +9534,8 @@ def mse_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t16 @ M_1
     t18 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t19 = (1/n_batch) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -9447,165 +9624,202 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t17, M_2, X, t16, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = A @ X
-    M_1 = t18
-    t19 = t14.transpose(-1, -2)
-    t20 = M_1 @ t19
-    F = t20
-    t21 = F - Y
-    t22 = (2/(L*d_V)) * t21
-    G = t22
-    t23 = t14 @ t3
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    t18 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t17, M_2, t16, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t20 = A @ X
+    M_1 = t20
+    t21 = t14.transpose(-1, -2)
+    t22 = M_1 @ t21
+    F = t22
+    t23 = F - Y
+    t24 = (2/(L*d_V)) * t23
+    G = t24
+    t25 = t14 @ t3
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t28, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t26 @ X
-    t32 = t3 @ t31
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t30 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
-    t35 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
-    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t38 = oe.contract('ab,cdeb,ef,cdfg->agcd', t17, M_2, t16, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_H))
-    t41 = t15.transpose(-1, -2)
-    t42 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t40[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t42, M_2, X, M_1, t41, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t43 = G @ t12
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,abd->cdab', X, t43, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cdeb->aecd', t44, M_2, optimize=[(0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_H, d_V))
-    t49 = M_1 @ W_V
-    t50 = oe.contract('ab,cdeb,ef,fg->agcd', t42, M_2, W_V, W_O, optimize=[(0, 1), (0, 1), (0, 1)])
-    t51 = oe.contract('abc,abd->cdab', X, t49, optimize=[(0, 1)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
-    t52 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t53 = oe.contract('ab,cdeb,ef->afcd', t44, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t48 += oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t54[...] = 0
-    t55 = t54.view((d_V, d_K, d_V, d_K))
-    t56 = t55.diagonal(0, 1, 3)
-    t57 = t32.transpose(-1, -2)
-    t56 += oe.contract('abc,d->bcd', t57, t34, optimize=[(0, 1)])
-    t58 = W_Q.transpose(-1, -2)
-    t59 = (1/(d_K*n_batch)) * t58
-    t60 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t61 = oe.contract('ab,cbd,cde->aecd', t59, t3, X, optimize=[(0, 1), (0, 1)])
-    t55 += oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
-    t62 = (2/(L*d_K*d_V*n_batch)) * t58
-    t55 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t62, M_2, X, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = t63.view((d_V, d_K, d_V, d_K))
-    t65 = oe.contract('ab,cdb,cde,ef->afcd', t62, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t66 = oe.contract('abcd,ce,abef->dfab', M_2, t16, M_2, optimize=[(0, 1), (0, 1)])
-    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t67 = oe.contract('ab,cbd,cde,ef->afcd', t59, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t68 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t64 += oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
-    t69 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t70 = t69.view((d_V, d_K, d_V, d_H))
-    t71 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
-    t72 = oe.contract('abcd,ce->deab', M_2, t41, optimize=[(0, 1)])
-    t73 = oe.contract('ab,cdb,cde->aecd', t71, X, M_1, optimize=[(0, 1), (0, 1)])
-    t70[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t75 = oe.contract('ab,cdb,cde->aecd', t74, X, t43, optimize=[(0, 1), (0, 1)])
-    t76 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t70 += oe.contract('abcd,efcd->eafb', t75, t76, optimize=[(0, 1)])
-    t77 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t78 = t77.view((d_V, d_K, d_H, d_V))
-    t79 = oe.contract('abcd,ce,ef->dfab', M_2, W_V, W_O, optimize=[(1, 2), (0, 1)])
-    t80 = oe.contract('ab,cdb,cde->aecd', t71, X, t49, optimize=[(0, 1), (0, 1)])
-    t78[...] = oe.contract('abcd,efcd->aefb', t79, t80, optimize=[(0, 1)])
-    t81 = oe.contract('ab,cdb,cde->aecd', t74, X, G, optimize=[(0, 1), (0, 1)])
-    t82 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t78 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
-    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t84 = t83.view((d_V, d_H, d_V, d_K))
-    t85 = M_1.transpose(-1, -2)
-    t86 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t85
-    t84[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t86, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t87 = t43.transpose(-1, -2)
-    t88 = (1/(math.sqrt(d_K)*n_batch)) * t87
-    t89 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t90 = oe.contract('abc,acd->bdac', t88, X, optimize=[(0, 1)])
-    t84 += oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
-    t91 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t92 = t91.view((d_V, d_H, d_V, d_K))
-    t93 = oe.contract('abc,acd,de->beac', t86, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t94 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
-    t92[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
-    t95 = oe.contract('abc,acd,de->beac', t88, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t96 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t92 += oe.contract('abcd,efcd->eafb', t95, t96, optimize=[(0, 1)])
-    t97 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t98 = t97.view((d_V, d_H, d_V, d_H))
-    t99 = t85 @ M_1
-    t100 = W_O @ t12
-    t101 = (2/(L*d_V*n_batch)) * t100
-    t98[...] = oe.contract('abc,de->bdce', t99, t101, optimize=[(0, 1)])
-    t102 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t103 = t102.view((d_V, d_H, d_H, d_V))
-    t104 = (2/(L*d_V*n_batch)) * t85
-    t103[...] = oe.contract('abc,acd,ef->bedf', t104, t49, W_O, optimize=[(0, 1), (0, 1)])
-    t105 = t103.diagonal(0, 1, 2)
-    t106 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t107 = (1/n_batch) * t106
-    t108 = oe.contract('abc,acd->bd', t85, G, optimize=[(0, 1)])
-    t105 += oe.contract('a,bc->bca', t107, t108, optimize=[(0, 1)])
-    t109 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t110 = t109.view((d_H, d_V, d_V, d_K))
-    t111 = t49.transpose(-1, -2)
-    t112 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t111
-    t113 = oe.contract('ab,bc,decf,fg->agde', t12, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
-    t114 = oe.contract('abc,acd->bdac', t112, X, optimize=[(0, 1)])
-    t110[...] = oe.contract('abcd,efcd->eafb', t113, t114, optimize=[(0, 1)])
-    t115 = G.transpose(-1, -2)
-    t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
-    t110 += oe.contract('abc,de,acef,acg,fh->dbgh', t116, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t117 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t118 = t117.view((d_H, d_V, d_V, d_K))
-    t119 = oe.contract('abc,acd,de->beac', t112, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t120 = oe.contract('ab,bc,decf->afde', t12, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t118[...] = oe.contract('abcd,efcd->aefb', t119, t120, optimize=[(0, 1)])
-    t121 = oe.contract('abc,acd,de->beac', t116, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t122 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
-    t118 += oe.contract('abcd,efcd->eafb', t121, t122, optimize=[(0, 1)])
-    t123 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t124 = t123.view((d_H, d_V, d_V, d_H))
-    t125 = t111 @ M_1
-    t126 = (2/(L*d_V*n_batch)) * t12
-    t124[...] = oe.contract('abc,de->bdce', t125, t126, optimize=[(0, 1)])
-    t127 = t124.diagonal(0, 0, 3)
-    t128 = t115 @ M_1
-    t127 += oe.contract('abc,d->bcd', t128, t107, optimize=[(0, 1)])
-    t129 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t129[...] = 0
-    t130 = t129.view((d_H, d_V, d_H, d_V))
-    t131 = t130.diagonal(0, 1, 3)
-    t132 = t111 @ t49
-    t133 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t134 = (2/(L*d_V*n_batch)) * t133
-    t131 += oe.contract('abc,d->bcd', t132, t134, optimize=[(0, 1)])
+    t29 = (1/(d_K*n_batch)) * t2
+    t30 = oe.contract('ab,cdbe,ef->afcd', t29, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t32 = t18.reshape(*t18.shape[:2], -1)
+    t33 = t30.reshape(*t30.shape[:2], -1)
+    t34 = torch.cat([t32, t33], dim=-1)
+    t35 = t19.reshape(*t19.shape[:2], -1)
+    t36 = t31.reshape(*t31.shape[:2], -1)
+    t37 = torch.cat([t35, t36], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_V, d_K))
+    t40 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t42 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdfg->agcd', t17, M_2, t16, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t44 = t39.diagonal(0, 1, 3)
+    t45 = t28 @ X
+    t46 = t3 @ t45
+    t47 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t49 = oe.contract('abc->bc', t46, optimize=[(0,)])
+    t50 = t40.reshape(*t40.shape[:2], -1)
+    t51 = t42.reshape(*t42.shape[:2], -1)
+    t52 = torch.cat([t50, t51], dim=-1)
+    t53 = t41.reshape(*t41.shape[:2], -1)
+    t54 = t43.reshape(*t43.shape[:2], -1)
+    t55 = torch.cat([t53, t54], dim=-1)
+    t39[...] = oe.contract('abg,efg->aefb', t52, t55, optimize=[(0, 1)])
+    t44 += oe.contract('a,bc->bca', t48, t49, optimize=[(0, 1)])
+    t56 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_H))
+    t58 = t15.transpose(-1, -2)
+    t59 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t60 = oe.contract('ab,cdeb,ef->afcd', t59, M_2, t58, optimize=[(0, 1), (0, 1)])
+    t61 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t62 = G @ t12
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t64 = oe.contract('abc,abd->cdab', X, t62, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdeb->aecd', t63, M_2, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t57 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t67 = t66.view((d_V, d_K, d_H, d_V))
+    t68 = M_1 @ W_V
+    t69 = oe.contract('ab,cdeb,ef,fg->agcd', t59, M_2, W_V, W_O, optimize=[(0, 1), (0, 1), (0, 1)])
+    t70 = oe.contract('abc,abd->cdab', X, t68, optimize=[(0, 1)])
+    t71 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t72 = oe.contract('ab,cdeb,ef->afcd', t63, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t74 = t73.view((d_V, d_K, d_V, d_K))
+    t75 = W_Q.transpose(-1, -2)
+    t76 = (1/(d_K*n_batch)) * t75
+    t77 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t78 = oe.contract('ab,cbd,cde->aecd', t76, t3, X, optimize=[(0, 1), (0, 1)])
+    t79 = (2/(L*d_K*d_V*n_batch)) * t75
+    t80 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t16, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('ab,cdb,cde->aecd', t79, X, X, optimize=[(0, 1), (0, 1)])
+    t82 = t74.diagonal(0, 1, 3)
+    t83 = t46.transpose(-1, -2)
+    t84 = oe.contract('abc->bc', t83, optimize=[(0,)])
+    t85 = t77.reshape(*t77.shape[:2], -1)
+    t86 = t80.reshape(*t80.shape[:2], -1)
+    t87 = torch.cat([t85, t86], dim=-1)
+    t88 = t78.reshape(*t78.shape[:2], -1)
+    t89 = t81.reshape(*t81.shape[:2], -1)
+    t90 = torch.cat([t88, t89], dim=-1)
+    t74[...] = oe.contract('abg,efg->aefb', t87, t90, optimize=[(0, 1)])
+    t82 += oe.contract('a,bc->bca', t48, t84, optimize=[(0, 1)])
+    t91 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t92 = t91.view((d_V, d_K, d_V, d_K))
+    t93 = oe.contract('ab,cdb,cde,ef->afcd', t79, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t94 = oe.contract('abcd,ce,abef->dfab', M_2, t16, M_2, optimize=[(0, 1), (0, 1)])
+    t95 = oe.contract('ab,cbd,cde,ef->afcd', t76, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t96 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t97 = t93.reshape(*t93.shape[:2], -1)
+    t98 = t95.reshape(*t95.shape[:2], -1)
+    t99 = torch.cat([t97, t98], dim=-1)
+    t100 = t94.reshape(*t94.shape[:2], -1)
+    t101 = t96.reshape(*t96.shape[:2], -1)
+    t102 = torch.cat([t100, t101], dim=-1)
+    t92[...] = oe.contract('abg,efg->eafb', t99, t102, optimize=[(0, 1)])
+    t103 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t104 = t103.view((d_V, d_K, d_V, d_H))
+    t105 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t75
+    t106 = oe.contract('abcd,ce->deab', M_2, t58, optimize=[(0, 1)])
+    t107 = oe.contract('ab,cdb,cde->aecd', t105, X, M_1, optimize=[(0, 1), (0, 1)])
+    t108 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t109 = oe.contract('ab,cdb,cde->aecd', t108, X, t62, optimize=[(0, 1), (0, 1)])
+    t110 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t104[...] = oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t104 += oe.contract('abcd,efcd->eafb', t109, t110, optimize=[(0, 1)])
+    t111 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t112 = t111.view((d_V, d_K, d_H, d_V))
+    t113 = oe.contract('abcd,ce,ef->dfab', M_2, W_V, W_O, optimize=[(1, 2), (0, 1)])
+    t114 = oe.contract('ab,cdb,cde->aecd', t105, X, t68, optimize=[(0, 1), (0, 1)])
+    t115 = oe.contract('ab,cdb,cde->aecd', t108, X, G, optimize=[(0, 1), (0, 1)])
+    t116 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t112[...] = oe.contract('abcd,efcd->aefb', t113, t114, optimize=[(0, 1)])
+    t112 += oe.contract('abcd,efcd->eafb', t115, t116, optimize=[(0, 1)])
+    t117 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t118 = t117.view((d_V, d_H, d_V, d_K))
+    t119 = M_1.transpose(-1, -2)
+    t120 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t119
+    t121 = oe.contract('ab,cdbe,ef->afcd', t15, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t122 = oe.contract('abc,acd->bdac', t120, X, optimize=[(0, 1)])
+    t123 = t62.transpose(-1, -2)
+    t124 = (1/(math.sqrt(d_K)*n_batch)) * t123
+    t125 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t126 = oe.contract('abc,acd->bdac', t124, X, optimize=[(0, 1)])
+    t118[...] = oe.contract('abcd,efcd->eafb', t121, t122, optimize=[(0, 1)])
+    t118 += oe.contract('abcd,efcd->aefb', t125, t126, optimize=[(0, 1)])
+    t127 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t128 = t127.view((d_V, d_H, d_V, d_K))
+    t129 = oe.contract('abc,acd,de->beac', t120, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t130 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t131 = oe.contract('abc,acd,de->beac', t124, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t132 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t128[...] = oe.contract('abcd,efcd->aefb', t129, t130, optimize=[(0, 1)])
+    t128 += oe.contract('abcd,efcd->eafb', t131, t132, optimize=[(0, 1)])
+    t133 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t134 = t133.view((d_V, d_H, d_V, d_H))
+    t135 = t119 @ M_1
+    t136 = W_O @ t12
+    t137 = (2/(L*d_V*n_batch)) * t136
+    t138 = oe.contract('abc->bc', t135, optimize=[(0,)])
+    t134[...] = oe.contract('ab,cd->cadb', t137, t138, optimize=[(0, 1)])
+    t139 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t140 = t139.view((d_V, d_H, d_H, d_V))
+    t141 = (2/(L*d_V*n_batch)) * t119
+    t142 = oe.contract('abc,acd->bd', t141, t68, optimize=[(0, 1)])
+    t143 = t140.diagonal(0, 1, 2)
+    t144 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t145 = (1/n_batch) * t144
+    t146 = oe.contract('abc,acd->bd', t119, G, optimize=[(0, 1)])
+    t140[...] = oe.contract('ab,cd->cadb', W_O, t142, optimize=[(0, 1)])
+    t143 += oe.contract('a,bc->bca', t145, t146, optimize=[(0, 1)])
+    t147 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t148 = t147.view((d_H, d_V, d_V, d_K))
+    t149 = t68.transpose(-1, -2)
+    t150 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t149
+    t151 = oe.contract('ab,bc,decf,fg->agde', t12, t13, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t152 = oe.contract('abc,acd->bdac', t150, X, optimize=[(0, 1)])
+    t153 = G.transpose(-1, -2)
+    t154 = (1/(math.sqrt(d_K)*n_batch)) * t153
+    t155 = oe.contract('ab,cdbe,ef->afcd', t13, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t156 = oe.contract('abc,acd->bdac', t154, X, optimize=[(0, 1)])
+    t148[...] = oe.contract('abcd,efcd->eafb', t151, t152, optimize=[(0, 1)])
+    t148 += oe.contract('abcd,efcd->aefb', t155, t156, optimize=[(0, 1)])
+    t157 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t158 = t157.view((d_H, d_V, d_V, d_K))
+    t159 = oe.contract('abc,acd,de->beac', t150, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t160 = oe.contract('ab,bc,decf->afde', t12, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t161 = oe.contract('abc,acd,de->beac', t154, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t162 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t158[...] = oe.contract('abcd,efcd->aefb', t159, t160, optimize=[(0, 1)])
+    t158 += oe.contract('abcd,efcd->eafb', t161, t162, optimize=[(0, 1)])
+    t163 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t164 = t163.view((d_H, d_V, d_V, d_H))
+    t165 = t149 @ M_1
+    t166 = (2/(L*d_V*n_batch)) * t12
+    t167 = oe.contract('abc->bc', t165, optimize=[(0,)])
+    t168 = t164.diagonal(0, 0, 3)
+    t169 = t153 @ M_1
+    t170 = oe.contract('abc->bc', t169, optimize=[(0,)])
+    t164[...] = oe.contract('ab,cd->cadb', t166, t167, optimize=[(0, 1)])
+    t168 += oe.contract('a,bc->bca', t145, t170, optimize=[(0, 1)])
+    t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t171[...] = 0
+    t172 = t171.view((d_H, d_V, d_H, d_V))
+    t173 = t172.diagonal(0, 1, 3)
+    t174 = t149 @ t68
+    t175 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t176 = (2/(L*d_V*n_batch)) * t175
+    t177 = oe.contract('abc->bc', t174, optimize=[(0,)])
+    t173 += oe.contract('a,bc->bca', t176, t177, optimize=[(0, 1)])
     return H
 
 
@@ -9827,7 +10041,6 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (2/(L*d_K*d_V*n_batch)) * t1
     t17 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t16, M_2, t15, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
     t18 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     t19 = A @ X
     M_1 = t19
     t20 = t13.transpose(-1, -2)
@@ -9847,6 +10060,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (1/(d_K*n_batch)) * t1
     t29 = oe.contract('ab,cdbe,ea->acd', t28, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t30 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -9927,25 +10141,34 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = A @ X
-    M_1 = t17
-    t18 = t13.transpose(-1, -2)
-    t19 = M_1 @ t18
-    F = t19
-    t20 = F - Y
-    t21 = (2/(L*d_V)) * t20
-    G = t21
-    t22 = t13 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
+    t17 = oe.contract('ab,cdeb,ef,cdfg,gh->ahcd', t16, M_2, t15, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t18 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t19 = A @ X
+    M_1 = t19
+    t20 = t13.transpose(-1, -2)
+    t21 = M_1 @ t20
+    F = t21
+    t22 = F - Y
+    t23 = (2/(L*d_V)) * t22
+    G = t23
+    t24 = t13 @ t2
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t29 = oe.contract('ab,cdbe,ef->afcd', t28, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t31 = t17.reshape(*t17.shape[:2], -1)
+    t32 = t29.reshape(*t29.shape[:2], -1)
+    t33 = torch.cat([t31, t32], dim=-1)
+    t34 = t18.reshape(*t18.shape[:2], -1)
+    t35 = t30.reshape(*t30.shape[:2], -1)
+    t36 = torch.cat([t34, t35], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t33, t36, optimize=[(0, 1)])
     return out
 
 
@@ -10005,59 +10228,64 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_O.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = t16 @ t18
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = t11 @ W_O
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = W_O.transpose(-1, -2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = t15 @ t17
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t31 = t16 @ t17
-    t32 = W_O @ t31
-    t33 = W_V @ t32
-    t34 = (2/(L*d_K*d_V*n_batch)) * t3
-    t35 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('ab,cdeb,ef,cdfg->agcd', t34, M_2, t33, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t26 = t15 @ t16
+    t27 = W_O @ t26
+    t28 = W_V @ t27
+    t29 = (2/(L*d_K*d_V*n_batch)) * t1
+    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = t0.diagonal(0, 1, 3)
+    t33 = t21 @ X
+    t34 = t2 @ t33
+    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t37 = oe.contract('abc->bc', t34, optimize=[(0,)])
+    t38 = t24.reshape(*t24.shape[:2], -1)
+    t39 = t30.reshape(*t30.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t41 = t25.reshape(*t25.shape[:2], -1)
+    t42 = t31.reshape(*t31.shape[:2], -1)
+    t43 = torch.cat([t41, t42], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t40, t43, optimize=[(0, 1)])
+    t32 += oe.contract('a,bc->bca', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -10142,18 +10370,20 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t15, M_2, X, M_1, t14, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t16 = M_1 @ W_V
-    t17 = t16 @ W_O
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G @ t12
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = oe.contract('abc,abd->cdab', X, t20, optimize=[(0, 1)])
-    t23 = oe.contract('ab,cdeb->aecd', t21, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdeb,ef->afcd', t15, M_2, t14, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t18 = M_1 @ W_V
+    t19 = t18 @ W_O
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G @ t12
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t24 = oe.contract('abc,abd->cdab', X, t22, optimize=[(0, 1)])
+    t25 = oe.contract('ab,cdeb->aecd', t23, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10226,7 +10456,6 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = oe.contract('ab,cdeb,ef,fg->agcd', t13, M_2, W_V, W_O, optimize=[(0, 1), (0, 1), (0, 1)])
     t15 = oe.contract('abc,abd->cdab', X, t12, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     t16 = t12 @ W_O
     F = t16
     t17 = F - Y
@@ -10235,6 +10464,7 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
     t21 = oe.contract('ab,cdeb,ef->afcd', t19, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -10307,7 +10537,6 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (2/(L*d_K*d_V*n_batch)) * t1
     t18 = oe.contract('ab,cdb,cde,ea->acd', t17, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = oe.contract('abcd,ce,abed->dab', M_2, t16, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     t20 = A @ X
     M_1 = t20
     t21 = t14.transpose(-1, -2)
@@ -10325,7 +10554,10 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t29 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t30 = oe.contract('ab,cbd,cde,ea->acd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -10384,9 +10616,8 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -10412,31 +10643,39 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
-    t29 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t28
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cbd,cde->aecd', t24, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t33 = t16 @ t17
-    t34 = W_O @ t33
-    t35 = W_V @ t34
-    t36 = (2/(L*d_K*d_V*n_batch)) * t28
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t35, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t27 = t16 @ t17
+    t28 = W_O @ t27
+    t29 = W_V @ t28
+    t30 = (2/(L*d_K*d_V*n_batch)) * t1
+    t31 = oe.contract('abcd,ce,abef,fg->dgab', M_2, t29, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('ab,cdb,cde->aecd', t30, X, X, optimize=[(0, 1), (0, 1)])
+    t33 = t0.diagonal(0, 1, 3)
+    t34 = t22.transpose(-1, -2)
+    t35 = t34 @ X
+    t36 = t2 @ t35
+    t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = oe.contract('abc->bc', t36, optimize=[(0,)])
+    t40 = t25.reshape(*t25.shape[:2], -1)
+    t41 = t31.reshape(*t31.shape[:2], -1)
+    t42 = torch.cat([t40, t41], dim=-1)
+    t43 = t26.reshape(*t26.shape[:2], -1)
+    t44 = t32.reshape(*t32.shape[:2], -1)
+    t45 = torch.cat([t43, t44], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t42, t45, optimize=[(0, 1)])
+    t33 += oe.contract('a,bc->bca', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -10526,7 +10765,6 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (2/(L*d_K*d_V*n_batch)) * t1
     t18 = oe.contract('ab,cdb,cde,ef->afcd', t17, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = oe.contract('abcd,ce,abef->dfab', M_2, t16, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     t20 = A @ X
     M_1 = t20
     t21 = t14.transpose(-1, -2)
@@ -10546,7 +10784,13 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = (1/(d_K*n_batch)) * t1
     t30 = oe.contract('ab,cbd,cde,ef->afcd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = t18.reshape(*t18.shape[:2], -1)
+    t33 = t30.reshape(*t30.shape[:2], -1)
+    t34 = torch.cat([t32, t33], dim=-1)
+    t35 = t19.reshape(*t19.shape[:2], -1)
+    t36 = t31.reshape(*t31.shape[:2], -1)
+    t37 = torch.cat([t35, t36], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
     return out
 
 
@@ -10632,7 +10876,6 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t17 = oe.contract('abcd,ce->deab', M_2, t15, optimize=[(0, 1)])
     t18 = oe.contract('ab,cdb,cde->aecd', t16, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     t19 = M_1 @ W_V
     t20 = t19 @ W_O
     F = t20
@@ -10643,6 +10886,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t25 = oe.contract('ab,cdb,cde->aecd', t24, X, t23, optimize=[(0, 1), (0, 1)])
     t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
@@ -10718,7 +10962,6 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = oe.contract('abcd,ce,ef->dfab', M_2, W_V, W_O, optimize=[(1, 2), (0, 1)])
     t16 = oe.contract('ab,cdb,cde->aecd', t14, X, t13, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t17 = t13 @ W_O
     F = t17
     t18 = F - Y
@@ -10727,6 +10970,7 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
     t22 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
@@ -10793,7 +11037,9 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abb,cc->bc', t12, t15, optimize=[(0, 1)])
+    t16 = oe.contract('aa->a', t15, optimize=[(0,)])
+    t17 = oe.contract('abb->b', t12, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -10855,19 +11101,21 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t17, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = t14.transpose(-1, -2)
-    t19 = M_1 @ t18
-    F = t19
-    t20 = F - Y
-    t21 = (2/(L*d_V)) * t20
-    G = t21
-    t22 = G.transpose(-1, -2)
-    t23 = W_O @ t22
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdbe,ef->afcd', t15, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t20 = t14.transpose(-1, -2)
+    t21 = M_1 @ t20
+    F = t21
+    t22 = F - Y
+    t23 = (2/(L*d_V)) * t22
+    G = t23
+    t24 = G.transpose(-1, -2)
+    t25 = W_O @ t24
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t27 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -10947,7 +11195,6 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t18 = oe.contract('abc,acd,de->beac', t17, X, W_Q, optimize=[(1, 2), (0, 1)])
     t19 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     t20 = t14.transpose(-1, -2)
     t21 = M_1 @ t20
     F = t21
@@ -10959,6 +11206,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
     t27 = oe.contract('abc,acd,de->beac', t26, X, W_Q, optimize=[(1, 2), (0, 1)])
     t28 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
@@ -11031,7 +11279,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = oe.contract('abc,de->bdce', t12, t15, optimize=[(0, 1)])
+    t16 = oe.contract('abc->bc', t12, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -11087,17 +11336,18 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = M_1 @ W_V
     t13 = (2/(L*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,ef->bedf', t13, t12, W_O, optimize=[(0, 1), (0, 1)])
-    t14 = t0.diagonal(0, 1, 2)
-    t15 = t12 @ W_O
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t19 = (1/n_batch) * t18
-    t20 = oe.contract('abc,acd->bd', t11, G, optimize=[(0, 1)])
-    t14 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bd', t13, t12, optimize=[(0, 1)])
+    t15 = t0.diagonal(0, 1, 2)
+    t16 = t12 @ W_O
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t20 = (1/n_batch) * t19
+    t21 = oe.contract('abc,acd->bd', t11, G, optimize=[(0, 1)])
+    t0[...] = oe.contract('ab,cd->cadb', W_O, t14, optimize=[(0, 1)])
+    t15 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11160,7 +11410,8 @@ def mse_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t13 @ t14
     t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t17 = (2/(L*d_V*n_batch)) * t16
-    t0[...] = oe.contract('abb,c->bc', t15, t17, optimize=[(0, 1)])
+    t18 = oe.contract('abb->b', t15, optimize=[(0,)])
+    t0[...] = oe.contract('a,b->ba', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -11224,7 +11475,6 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
     t17 = oe.contract('ab,bc,decf,fg->agde', t14, t1, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     t19 = t13.transpose(-1, -2)
     t20 = t19 @ W_O
     F = t20
@@ -11233,7 +11483,10 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t22
     t23 = G.transpose(-1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t0 += oe.contract('abc,de,acef,acg,fh->dbgh', t24, t1, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('ab,cdbe,ef->afcd', t1, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -11310,7 +11563,6 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
     t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
     t18 = oe.contract('ab,bc,decf->afde', t14, t1, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     t19 = t13.transpose(-1, -2)
     t20 = t19 @ W_O
     F = t20
@@ -11321,6 +11573,7 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = oe.contract('abc,acd,de->beac', t24, X, W_Q, optimize=[(1, 2), (0, 1)])
     t26 = oe.contract('ab,cdbe->aecd', t1, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
@@ -11392,19 +11645,21 @@ def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ M_1
     t15 = W_O.transpose(-1, -2)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t0[...] = oe.contract('abc,de->bdce', t14, t16, optimize=[(0, 1)])
-    t17 = t0.diagonal(0, 0, 3)
-    t18 = t13.transpose(-1, -2)
-    t19 = t18 @ W_O
-    F = t19
-    t20 = F - Y
-    t21 = (2/(L*d_V)) * t20
-    G = t21
-    t22 = G.transpose(-1, -2)
-    t23 = t22 @ M_1
-    t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t25 = (1/n_batch) * t24
-    t17 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t18 = t0.diagonal(0, 0, 3)
+    t19 = t13.transpose(-1, -2)
+    t20 = t19 @ W_O
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = t23 @ M_1
+    t25 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t26 = (1/n_batch) * t25
+    t27 = oe.contract('abc->bc', t24, optimize=[(0,)])
+    t0[...] = oe.contract('ab,cd->cadb', t16, t17, optimize=[(0, 1)])
+    t18 += oe.contract('a,bc->bca', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -11475,7 +11730,8 @@ def mse_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t14 @ t15
     t17 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t18 = (2/(L*d_V*n_batch)) * t17
-    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bc', t16, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -12427,7 +12683,7 @@ def causal1__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     t11 = out.view((n_batch, L, d_V, d_H, d_V,))
     t12 = t11.diagonal(0, -3, -1)
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t12[...] = oe.contract('abc,d->abcd', t10, t13, optimize=[(0, 1)])
+    t12[...] = oe.contract('a,bcd->bcda', t13, t10, optimize=[(0, 1)])
     return out
 
 
@@ -12568,82 +12824,96 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, t10, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t24 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t20, M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t22[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t26 = t25.view((d_V, d_K, d_V, d_H))
-    t27 = W_O.transpose(-1, -2)
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t26[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t28, M_2, X, t10, t12, dA18, M_1, t27, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t30 = t29.view((d_V, d_K, d_H, d_V))
-    t31 = M_1 @ W_V
-    t30[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t28, M_2, X, t10, t12, dA18, t31, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = W_Q.transpose(-1, -2)
-    t35 = (1/(L*d_K*n_batch)) * t34
-    t33[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t35, M_2, X, t10, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t38 = oe.contract('ab,cdb,cde,ef->afcd', t35, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t39 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t37[...] = oe.contract('abcd,efcd->eafb', t38, t39, optimize=[(0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_V, d_H))
-    t42 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t41[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t42, M_2, X, t10, t12, dA18, M_1, t27, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t44 = t43.view((d_V, d_K, d_H, d_V))
-    t44[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t42, M_2, X, t10, t12, dA18, t31, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_H, d_V, d_K))
-    t47 = M_1.transpose(-1, -2)
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t49 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t12, dA18, t19, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t50 = oe.contract('abc,acd->bdac', t48, X, optimize=[(0, 1)])
-    t46[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_H, d_V, d_K))
-    t53 = oe.contract('abc,acd,de->beac', t48, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t54 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t12, dA18, t19, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t52[...] = oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t56 = t55.view((d_V, d_H, d_V, d_H))
-    t57 = (1/(L*n_batch)) * t47
-    t58 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t12, dA18, t27, optimize=[(0, 1), (0, 1), (0, 1)])
-    t59 = oe.contract('abc,acd->bdac', t57, M_1, optimize=[(0, 1)])
-    t56[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
-    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t61 = t60.view((d_V, d_H, d_H, d_V))
-    t62 = oe.contract('ab,cdb,cdbe->aecd', W_O, t12, dA18, optimize=[(1, 2), (0, 1)])
-    t63 = oe.contract('abc,acd->bdac', t57, t31, optimize=[(0, 1)])
-    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t65 = t64.view((d_H, d_V, d_V, d_K))
-    t66 = t31.transpose(-1, -2)
-    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
-    t68 = oe.contract('abc,abcd,de,abef,fg->cgab', t12, dA18, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t71 = t70.view((d_H, d_V, d_V, d_K))
-    t72 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t73 = oe.contract('abc,abcd,de,abef->cfab', t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t71[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t75 = t74.view((d_H, d_V, d_V, d_H))
-    t76 = (1/(L*n_batch)) * t66
-    t77 = oe.contract('ab,cdea,cde->ebcd', t27, dA18, t12, optimize=[(0, 1), (0, 1)])
-    t78 = oe.contract('abc,acd->bdac', t76, M_1, optimize=[(0, 1)])
-    t75[...] = oe.contract('abcd,efcd->eafb', t77, t78, optimize=[(0, 1)])
-    t79 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t80 = t79.view((d_H, d_V, d_H, d_V))
-    t80[...] = oe.contract('abc,acd,acde,acf->bdfe', t76, t12, dA18, t31, optimize=[(1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t20, M_2, t10, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24 = t23.view((d_V, d_K, d_V, d_K))
+    t25 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t20, M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t24[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_H))
+    t29 = W_O.transpose(-1, -2)
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t30, M_2, t10, t12, dA18, t29, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t32 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t28[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t34 = t33.view((d_V, d_K, d_H, d_V))
+    t35 = M_1 @ W_V
+    t36 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t30, M_2, t10, t12, dA18, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t37 = oe.contract('abc,abd->cdab', X, t35, optimize=[(0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_V, d_K))
+    t40 = W_Q.transpose(-1, -2)
+    t41 = (1/(L*d_K*n_batch)) * t40
+    t42 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t19, dA18, t12, t10, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,cdb,cde->aecd', t41, X, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = oe.contract('ab,cdb,cde,ef->afcd', t41, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t49 = t48.view((d_V, d_K, d_V, d_H))
+    t50 = (1/(L*math.sqrt(d_K)*n_batch)) * t40
+    t51 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t29, dA18, t12, t10, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t52 = oe.contract('ab,cdb,cde->aecd', t50, X, M_1, optimize=[(0, 1), (0, 1)])
+    t49[...] = oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t54 = t53.view((d_V, d_K, d_H, d_V))
+    t55 = oe.contract('abcd,ce,abe,abef->dfab', M_2, t10, t12, dA18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('ab,cdb,cde->aecd', t50, X, t35, optimize=[(0, 1), (0, 1)])
+    t54[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t58 = t57.view((d_V, d_H, d_V, d_K))
+    t59 = M_1.transpose(-1, -2)
+    t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t61 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t12, dA18, t19, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t60, X, optimize=[(0, 1)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t64 = t63.view((d_V, d_H, d_V, d_K))
+    t65 = oe.contract('abc,acd,de->beac', t60, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t66 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t12, dA18, t19, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t64[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t68 = t67.view((d_V, d_H, d_V, d_H))
+    t69 = (1/(L*n_batch)) * t59
+    t70 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t12, dA18, t29, optimize=[(0, 1), (0, 1), (0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, M_1, optimize=[(0, 1)])
+    t68[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t73 = t72.view((d_V, d_H, d_H, d_V))
+    t74 = oe.contract('ab,cdb,cdbe->aecd', W_O, t12, dA18, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('abc,acd->bdac', t69, t35, optimize=[(0, 1)])
+    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t77 = t76.view((d_H, d_V, d_V, d_K))
+    t78 = t35.transpose(-1, -2)
+    t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t78
+    t80 = oe.contract('abc,abcd,de,abef,fg->cgab', t12, dA18, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t81 = oe.contract('abc,acd->bdac', t79, X, optimize=[(0, 1)])
+    t77[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t82 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t83 = t82.view((d_H, d_V, d_V, d_K))
+    t84 = oe.contract('abc,acd,de->beac', t79, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t85 = oe.contract('abc,abcd,de,abef->cfab', t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t83[...] = oe.contract('abcd,efcd->aefb', t84, t85, optimize=[(0, 1)])
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t87 = t86.view((d_H, d_V, d_V, d_H))
+    t88 = (1/(L*n_batch)) * t78
+    t89 = oe.contract('ab,cdea,cde->ebcd', t29, dA18, t12, optimize=[(0, 1), (0, 1)])
+    t90 = oe.contract('abc,acd->bdac', t88, M_1, optimize=[(0, 1)])
+    t87[...] = oe.contract('abcd,efcd->eafb', t89, t90, optimize=[(0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t92 = t91.view((d_H, d_V, d_H, d_V))
+    t93 = oe.contract('abc,abcd->cdab', t12, dA18, optimize=[(0, 1)])
+    t94 = oe.contract('abc,acd->bdac', t88, t35, optimize=[(0, 1)])
+    t92[...] = oe.contract('abcd,efcd->eafb', t93, t94, optimize=[(0, 1)])
     return H
 
 
@@ -12894,7 +13164,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = t9.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, t9, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t19, M_2, t9, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -13048,7 +13320,9 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = W_O.transpose(-1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t19, M_2, X, t9, t11, dA17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t19, M_2, t9, t11, dA17, t18, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -13124,7 +13398,9 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = M_1 @ W_V
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, t9, t11, dA17, t18, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t19, M_2, t9, t11, dA17, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, t18, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -13279,7 +13555,9 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, t10, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t19, dA18, t12, t10, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -13437,7 +13715,9 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t20, M_2, X, t10, t12, dA18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t19, dA18, t12, t10, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -13515,7 +13795,9 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = M_1 @ W_V
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, t10, t12, dA18, t19, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, t10, t12, dA18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, t19, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -14279,7 +14561,9 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t19 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t13, dA, t14, optimize=[(1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abcd->cdab', t13, dA, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -14361,103 +14645,109 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ X
-    t32 = t3 @ t31
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t30 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
-    t35 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t36 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
-    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_H))
+    t28 = oe.contract('ab,cdbe,ef->afcd', t27, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t34 = t31.diagonal(0, 1, 3)
+    t35 = t25 @ X
+    t36 = t3 @ t35
+    t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = oe.contract('abc->bc', t36, optimize=[(0,)])
+    t31[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 += oe.contract('a,bc->bca', t38, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t39 = G @ t19
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t41 = oe.contract('abc,abd->cdab', X, t39, optimize=[(0, 1)])
-    t42 = oe.contract('ab,cdeb->aecd', t40, M_2, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
-    t43 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t44 = t43.view((d_V, d_K, d_H, d_V))
-    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t46 = oe.contract('ab,cdeb,ef->afcd', t40, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t44[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47[...] = 0
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = t48.diagonal(0, 1, 3)
-    t50 = t32.transpose(-1, -2)
-    t49 += oe.contract('abc,d->bcd', t50, t34, optimize=[(0, 1)])
-    t51 = W_Q.transpose(-1, -2)
-    t52 = (1/(d_K*n_batch)) * t51
-    t53 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cbd,cde->aecd', t52, t3, X, optimize=[(0, 1), (0, 1)])
-    t48 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t56 = t55.view((d_V, d_K, d_V, d_K))
-    t57 = oe.contract('ab,cbd,cde,ef->afcd', t52, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t58 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t56[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t60 = t59.view((d_V, d_K, d_V, d_H))
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t51
-    t62 = oe.contract('ab,cdb,cde->aecd', t61, X, t39, optimize=[(0, 1), (0, 1)])
-    t63 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t65 = t64.view((d_V, d_K, d_H, d_V))
-    t66 = oe.contract('ab,cdb,cde->aecd', t61, X, G, optimize=[(0, 1), (0, 1)])
-    t67 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t69 = t68.view((d_V, d_H, d_V, d_K))
-    t70 = t39.transpose(-1, -2)
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t72 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
-    t69[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t75 = t74.view((d_V, d_H, d_V, d_K))
-    t76 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t78[...] = 0
-    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t79[...] = 0
-    t80 = t79.view((d_V, d_H, d_H, d_V))
-    t81 = t80.diagonal(0, 1, 2)
-    t82 = M_1.transpose(-1, -2)
-    t83 = t82 @ G
-    t84 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t85 = (1/n_batch) * t84
-    t81 += oe.contract('abc,d->bcd', t83, t85, optimize=[(0, 1)])
-    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t87 = t86.view((d_H, d_V, d_V, d_K))
-    t88 = G.transpose(-1, -2)
-    t89 = (1/(math.sqrt(d_K)*n_batch)) * t88
-    t87[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t89, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t90 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t91 = t90.view((d_H, d_V, d_V, d_K))
-    t92 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t93 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
-    t91[...] = oe.contract('abcd,efcd->eafb', t92, t93, optimize=[(0, 1)])
-    t94 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t94[...] = 0
-    t95 = t94.view((d_H, d_V, d_V, d_H))
-    t96 = t95.diagonal(0, 0, 3)
-    t97 = t83.transpose(-1, -2)
-    t96 += oe.contract('abc,d->bcd', t97, t85, optimize=[(0, 1)])
-    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t98[...] = 0
+    t42 = G @ t19
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 = oe.contract('abc,abd->cdab', X, t42, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdeb->aecd', t43, M_2, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_H, d_V))
+    t48 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cdeb,ef->afcd', t43, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = W_Q.transpose(-1, -2)
+    t53 = (1/(d_K*n_batch)) * t52
+    t54 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t55 = oe.contract('ab,cbd,cde->aecd', t53, t3, X, optimize=[(0, 1), (0, 1)])
+    t56 = t51.diagonal(0, 1, 3)
+    t57 = t36.transpose(-1, -2)
+    t58 = oe.contract('abc->bc', t57, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t56 += oe.contract('a,bc->bca', t38, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_K))
+    t61 = oe.contract('ab,cbd,cde,ef->afcd', t53, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_V, d_H))
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t66 = oe.contract('ab,cdb,cde->aecd', t65, X, t42, optimize=[(0, 1), (0, 1)])
+    t67 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_H, d_V))
+    t70 = oe.contract('ab,cdb,cde->aecd', t65, X, G, optimize=[(0, 1), (0, 1)])
+    t71 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t73 = t72.view((d_V, d_H, d_V, d_K))
+    t74 = t42.transpose(-1, -2)
+    t75 = (1/(math.sqrt(d_K)*n_batch)) * t74
+    t76 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t75, X, optimize=[(0, 1)])
+    t73[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t79 = t78.view((d_V, d_H, d_V, d_K))
+    t80 = oe.contract('abc,acd,de->beac', t75, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t81 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t79[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t83[...] = 0
+    t84 = t83.view((d_V, d_H, d_H, d_V))
+    t85 = t84.diagonal(0, 1, 2)
+    t86 = M_1.transpose(-1, -2)
+    t87 = t86 @ G
+    t88 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t89 = (1/n_batch) * t88
+    t90 = oe.contract('abc->bc', t87, optimize=[(0,)])
+    t85 += oe.contract('a,bc->bca', t89, t90, optimize=[(0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t92 = t91.view((d_H, d_V, d_V, d_K))
+    t93 = G.transpose(-1, -2)
+    t94 = (1/(math.sqrt(d_K)*n_batch)) * t93
+    t95 = oe.contract('ab,cdbe,ef->afcd', t20, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t96 = oe.contract('abc,acd->bdac', t94, X, optimize=[(0, 1)])
+    t92[...] = oe.contract('abcd,efcd->aefb', t95, t96, optimize=[(0, 1)])
+    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t98 = t97.view((d_H, d_V, d_V, d_K))
+    t99 = oe.contract('abc,acd,de->beac', t94, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t100 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t98[...] = oe.contract('abcd,efcd->eafb', t99, t100, optimize=[(0, 1)])
+    t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101[...] = 0
+    t102 = t101.view((d_H, d_V, d_V, d_H))
+    t103 = t102.diagonal(0, 0, 3)
+    t104 = t87.transpose(-1, -2)
+    t105 = oe.contract('abc->bc', t104, optimize=[(0,)])
+    t103 += oe.contract('a,bc->bca', t89, t105, optimize=[(0, 1)])
+    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t106[...] = 0
     return H
 
 
@@ -14763,7 +15053,9 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = oe.contract('ab,cdbe,ef->afcd', t26, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -14820,51 +15112,51 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t10 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = W_O.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = t19 @ t21
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = t11 @ W_O
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t9 * A14
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_O.transpose(-1, -2)
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = t18 @ t20
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t3
-    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t29 = t0.diagonal(0, 1, 3)
+    t30 = t24 @ X
+    t31 = t2 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -15123,7 +15415,9 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t28 = oe.contract('ab,cbd,cde,ea->acd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -15179,9 +15473,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -15210,22 +15503,23 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = G @ t22
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
-    t26 = t25.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t2 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
-    t31 = W_Q.transpose(-1, -2)
-    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t31
-    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t30 = t0.diagonal(0, 1, 3)
+    t31 = t25.transpose(-1, -2)
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc->bc', t33, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t30 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -15790,7 +16084,8 @@ def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t10 @ G
     t21 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t22 = (1/n_batch) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bc', t20, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -15889,7 +16184,9 @@ def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t21, t19, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdbe,ef->afcd', t19, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -16053,7 +16350,8 @@ def ce_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t19 @ M_1
     t21 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t22 = (1/n_batch) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bc', t20, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -16150,161 +16448,197 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, t10, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t20, M_2, t10, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t12 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t19 @ t3
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t12 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t19 @ t3
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t31, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t30, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = t29 @ X
-    t35 = t3 @ t34
-    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t33 += oe.contract('abc,d->bcd', t35, t37, optimize=[(0, 1)])
-    t38 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t39 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t32 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t20, M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t32 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_H))
-    t44 = W_O.transpose(-1, -2)
-    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t43[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t45, M_2, X, t10, t12, dA18, M_1, t44, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t46 = G @ t44
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t48 = oe.contract('abc,abd->cdab', X, t46, optimize=[(0, 1)])
-    t49 = oe.contract('ab,cdeb->aecd', t47, M_2, optimize=[(0, 1)])
-    t43 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_H, d_V))
-    t52 = M_1 @ W_V
-    t53 = oe.contract('ab,cdeb,ef,fg,cdg,cdgh->ahcd', t45, M_2, W_V, W_O, t12, dA18, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
-    t54 = oe.contract('abc,abd->cdab', X, t52, optimize=[(0, 1)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
-    t55 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t56 = oe.contract('ab,cdeb,ef->afcd', t47, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t51 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t57[...] = 0
-    t58 = t57.view((d_V, d_K, d_V, d_K))
-    t59 = t58.diagonal(0, 1, 3)
-    t60 = t35.transpose(-1, -2)
-    t59 += oe.contract('abc,d->bcd', t60, t37, optimize=[(0, 1)])
-    t61 = W_Q.transpose(-1, -2)
-    t62 = (1/(d_K*n_batch)) * t61
-    t63 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t64 = oe.contract('ab,cbd,cde->aecd', t62, t3, X, optimize=[(0, 1), (0, 1)])
-    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = (1/(L*d_K*n_batch)) * t61
-    t58 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t65, M_2, X, t10, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t66 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t67 = t66.view((d_V, d_K, d_V, d_K))
-    t68 = oe.contract('ab,cdb,cde,ef->afcd', t65, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t69 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = oe.contract('ab,cbd,cde,ef->afcd', t62, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t71 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t67 += oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
-    t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t73 = t72.view((d_V, d_K, d_V, d_H))
-    t74 = (1/(L*math.sqrt(d_K)*n_batch)) * t61
-    t73[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t74, M_2, X, t10, t12, dA18, M_1, t44, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t75 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t76 = oe.contract('ab,cdb,cde->aecd', t75, X, t46, optimize=[(0, 1), (0, 1)])
-    t77 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t73 += oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t79 = t78.view((d_V, d_K, d_H, d_V))
-    t79[...] = oe.contract('ab,cdef,cdb,eg,gh,cdh,cdhi,cdj->faji', t74, M_2, X, W_V, W_O, t12, dA18, t52, optimize=[(5, 6), (0, 2), (1, 2), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t80 = oe.contract('ab,cdb,cde->aecd', t75, X, G, optimize=[(0, 1), (0, 1)])
-    t81 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t79 += oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
-    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t83 = t82.view((d_V, d_H, d_V, d_K))
-    t84 = t46.transpose(-1, -2)
-    t85 = (1/(math.sqrt(d_K)*n_batch)) * t84
-    t86 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t87 = oe.contract('abc,acd->bdac', t85, X, optimize=[(0, 1)])
-    t83[...] = oe.contract('abcd,efcd->aefb', t86, t87, optimize=[(0, 1)])
-    t88 = M_1.transpose(-1, -2)
-    t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
-    t90 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t12, dA18, t19, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t91 = oe.contract('abc,acd->bdac', t89, X, optimize=[(0, 1)])
-    t83 += oe.contract('abcd,efcd->eafb', t90, t91, optimize=[(0, 1)])
-    t92 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t93 = t92.view((d_V, d_H, d_V, d_K))
-    t94 = oe.contract('abc,acd,de->beac', t85, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t95 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
-    t96 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t97 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t12, dA18, t19, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t93 += oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
-    t98 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t99 = t98.view((d_V, d_H, d_V, d_H))
-    t100 = (1/(L*n_batch)) * t88
-    t101 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t12, dA18, t44, optimize=[(0, 1), (0, 1), (0, 1)])
-    t102 = oe.contract('abc,acd->bdac', t100, M_1, optimize=[(0, 1)])
-    t99[...] = oe.contract('abcd,efcd->eafb', t101, t102, optimize=[(0, 1)])
-    t103 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t104 = t103.view((d_V, d_H, d_H, d_V))
-    t105 = oe.contract('ab,cdb,cdbe->aecd', W_O, t12, dA18, optimize=[(1, 2), (0, 1)])
-    t106 = oe.contract('abc,acd->bdac', t100, t52, optimize=[(0, 1)])
-    t104[...] = oe.contract('abcd,efcd->eafb', t105, t106, optimize=[(0, 1)])
-    t107 = t104.diagonal(0, 1, 2)
-    t108 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t109 = (1/n_batch) * t108
-    t110 = oe.contract('abc,acd->bd', t88, G, optimize=[(0, 1)])
-    t107 += oe.contract('a,bc->bca', t109, t110, optimize=[(0, 1)])
-    t111 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t112 = t111.view((d_H, d_V, d_V, d_K))
-    t113 = G.transpose(-1, -2)
-    t114 = W_V.transpose(-1, -2)
-    t115 = (1/(math.sqrt(d_K)*n_batch)) * t113
-    t112[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t115, t114, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t116 = t52.transpose(-1, -2)
-    t117 = (1/(L*math.sqrt(d_K)*n_batch)) * t116
-    t118 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t12, dA18, t44, t114, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
-    t119 = oe.contract('abc,acd->bdac', t117, X, optimize=[(0, 1)])
-    t112 += oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
-    t120 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t121 = t120.view((d_H, d_V, d_V, d_K))
-    t122 = oe.contract('abc,acd,de->beac', t115, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t123 = oe.contract('ab,cdbe->aecd', t114, M_2, optimize=[(0, 1)])
-    t121[...] = oe.contract('abcd,efcd->eafb', t122, t123, optimize=[(0, 1)])
-    t124 = oe.contract('abc,acd,de->beac', t117, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t125 = oe.contract('abc,abcd,de,ef,abfg->cgab', t12, dA18, t44, t114, M_2, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t121 += oe.contract('abcd,efcd->aefb', t124, t125, optimize=[(0, 1)])
-    t126 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t126[...] = 0
-    t127 = t126.view((d_H, d_V, d_V, d_H))
-    t128 = t127.diagonal(0, 0, 3)
-    t129 = t113 @ M_1
-    t128 += oe.contract('abc,d->bcd', t129, t109, optimize=[(0, 1)])
-    t130 = (1/(L*n_batch)) * t116
-    t131 = oe.contract('ab,cdea,cde->ebcd', t44, dA18, t12, optimize=[(0, 1), (0, 1)])
-    t132 = oe.contract('abc,acd->bdac', t130, M_1, optimize=[(0, 1)])
-    t127 += oe.contract('abcd,efcd->eafb', t131, t132, optimize=[(0, 1)])
-    t133 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t134 = t133.view((d_H, d_V, d_H, d_V))
-    t134[...] = oe.contract('abc,acd,acde,acf->bdfe', t130, t12, dA18, t52, optimize=[(1, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t2
+    t33 = oe.contract('ab,cdbe,ef->afcd', t32, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t35 = t21.reshape(*t21.shape[:2], -1)
+    t36 = t33.reshape(*t33.shape[:2], -1)
+    t37 = torch.cat([t35, t36], dim=-1)
+    t38 = t22.reshape(*t22.shape[:2], -1)
+    t39 = t34.reshape(*t34.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t37, t40, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t44 = oe.contract('ab,cdbe->aecd', t32, M_3, optimize=[(0, 1)])
+    t45 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t46 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t20, M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = t42.diagonal(0, 1, 3)
+    t48 = t31 @ X
+    t49 = t3 @ t48
+    t50 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t52 = oe.contract('abc->bc', t49, optimize=[(0,)])
+    t53 = t43.reshape(*t43.shape[:2], -1)
+    t54 = t45.reshape(*t45.shape[:2], -1)
+    t55 = torch.cat([t53, t54], dim=-1)
+    t56 = t44.reshape(*t44.shape[:2], -1)
+    t57 = t46.reshape(*t46.shape[:2], -1)
+    t58 = torch.cat([t56, t57], dim=-1)
+    t42[...] = oe.contract('abg,efg->aefb', t55, t58, optimize=[(0, 1)])
+    t47 += oe.contract('a,bc->bca', t51, t52, optimize=[(0, 1)])
+    t59 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_H))
+    t61 = W_O.transpose(-1, -2)
+    t62 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t63 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t62, M_2, t10, t12, dA18, t61, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t64 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t65 = G @ t61
+    t66 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t67 = oe.contract('abc,abd->cdab', X, t65, optimize=[(0, 1)])
+    t68 = oe.contract('ab,cdeb->aecd', t66, M_2, optimize=[(0, 1)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t60 += oe.contract('abcd,efcd->aefb', t67, t68, optimize=[(0, 1)])
+    t69 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t70 = t69.view((d_V, d_K, d_H, d_V))
+    t71 = M_1 @ W_V
+    t72 = oe.contract('ab,cdeb,ef,fg,cdg,cdgh->ahcd', t62, M_2, W_V, W_O, t12, dA18, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t73 = oe.contract('abc,abd->cdab', X, t71, optimize=[(0, 1)])
+    t74 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t75 = oe.contract('ab,cdeb,ef->afcd', t66, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t70[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
+    t70 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t77 = t76.view((d_V, d_K, d_V, d_K))
+    t78 = W_Q.transpose(-1, -2)
+    t79 = (1/(d_K*n_batch)) * t78
+    t80 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t81 = oe.contract('ab,cbd,cde->aecd', t79, t3, X, optimize=[(0, 1), (0, 1)])
+    t82 = (1/(L*d_K*n_batch)) * t78
+    t83 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t19, dA18, t12, t10, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t84 = oe.contract('ab,cdb,cde->aecd', t82, X, X, optimize=[(0, 1), (0, 1)])
+    t85 = t77.diagonal(0, 1, 3)
+    t86 = t49.transpose(-1, -2)
+    t87 = oe.contract('abc->bc', t86, optimize=[(0,)])
+    t88 = t80.reshape(*t80.shape[:2], -1)
+    t89 = t83.reshape(*t83.shape[:2], -1)
+    t90 = torch.cat([t88, t89], dim=-1)
+    t91 = t81.reshape(*t81.shape[:2], -1)
+    t92 = t84.reshape(*t84.shape[:2], -1)
+    t93 = torch.cat([t91, t92], dim=-1)
+    t77[...] = oe.contract('abg,efg->aefb', t90, t93, optimize=[(0, 1)])
+    t85 += oe.contract('a,bc->bca', t51, t87, optimize=[(0, 1)])
+    t94 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = t94.view((d_V, d_K, d_V, d_K))
+    t96 = oe.contract('ab,cdb,cde,ef->afcd', t82, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t98 = oe.contract('ab,cbd,cde,ef->afcd', t79, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t99 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t100 = t96.reshape(*t96.shape[:2], -1)
+    t101 = t98.reshape(*t98.shape[:2], -1)
+    t102 = torch.cat([t100, t101], dim=-1)
+    t103 = t97.reshape(*t97.shape[:2], -1)
+    t104 = t99.reshape(*t99.shape[:2], -1)
+    t105 = torch.cat([t103, t104], dim=-1)
+    t95[...] = oe.contract('abg,efg->eafb', t102, t105, optimize=[(0, 1)])
+    t106 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t107 = t106.view((d_V, d_K, d_V, d_H))
+    t108 = (1/(L*math.sqrt(d_K)*n_batch)) * t78
+    t109 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t61, dA18, t12, t10, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t110 = oe.contract('ab,cdb,cde->aecd', t108, X, M_1, optimize=[(0, 1), (0, 1)])
+    t111 = (1/(math.sqrt(d_K)*n_batch)) * t78
+    t112 = oe.contract('ab,cdb,cde->aecd', t111, X, t65, optimize=[(0, 1), (0, 1)])
+    t113 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t107[...] = oe.contract('abcd,efcd->aefb', t109, t110, optimize=[(0, 1)])
+    t107 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t115 = t114.view((d_V, d_K, d_H, d_V))
+    t116 = oe.contract('abcd,ce,ef,abf,abfg->dgab', M_2, W_V, W_O, t12, dA18, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t117 = oe.contract('ab,cdb,cde->aecd', t108, X, t71, optimize=[(0, 1), (0, 1)])
+    t118 = oe.contract('ab,cdb,cde->aecd', t111, X, G, optimize=[(0, 1), (0, 1)])
+    t119 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t115[...] = oe.contract('abcd,efcd->aefb', t116, t117, optimize=[(0, 1)])
+    t115 += oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t120 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t121 = t120.view((d_V, d_H, d_V, d_K))
+    t122 = t65.transpose(-1, -2)
+    t123 = (1/(math.sqrt(d_K)*n_batch)) * t122
+    t124 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t125 = oe.contract('abc,acd->bdac', t123, X, optimize=[(0, 1)])
+    t126 = M_1.transpose(-1, -2)
+    t127 = (1/(L*math.sqrt(d_K)*n_batch)) * t126
+    t128 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t12, dA18, t19, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t129 = oe.contract('abc,acd->bdac', t127, X, optimize=[(0, 1)])
+    t121[...] = oe.contract('abcd,efcd->aefb', t124, t125, optimize=[(0, 1)])
+    t121 += oe.contract('abcd,efcd->eafb', t128, t129, optimize=[(0, 1)])
+    t130 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t131 = t130.view((d_V, d_H, d_V, d_K))
+    t132 = oe.contract('abc,acd,de->beac', t123, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t133 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t134 = oe.contract('abc,acd,de->beac', t127, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t135 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t12, dA18, t19, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t131[...] = oe.contract('abcd,efcd->eafb', t132, t133, optimize=[(0, 1)])
+    t131 += oe.contract('abcd,efcd->aefb', t134, t135, optimize=[(0, 1)])
+    t136 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t137 = t136.view((d_V, d_H, d_V, d_H))
+    t138 = (1/(L*n_batch)) * t126
+    t139 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t12, dA18, t61, optimize=[(0, 1), (0, 1), (0, 1)])
+    t140 = oe.contract('abc,acd->bdac', t138, M_1, optimize=[(0, 1)])
+    t137[...] = oe.contract('abcd,efcd->eafb', t139, t140, optimize=[(0, 1)])
+    t141 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t142 = t141.view((d_V, d_H, d_H, d_V))
+    t143 = oe.contract('ab,cdb,cdbe->aecd', W_O, t12, dA18, optimize=[(1, 2), (0, 1)])
+    t144 = oe.contract('abc,acd->bdac', t138, t71, optimize=[(0, 1)])
+    t145 = t142.diagonal(0, 1, 2)
+    t146 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t147 = (1/n_batch) * t146
+    t148 = oe.contract('abc,acd->bd', t126, G, optimize=[(0, 1)])
+    t142[...] = oe.contract('abcd,efcd->eafb', t143, t144, optimize=[(0, 1)])
+    t145 += oe.contract('a,bc->bca', t147, t148, optimize=[(0, 1)])
+    t149 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t150 = t149.view((d_H, d_V, d_V, d_K))
+    t151 = G.transpose(-1, -2)
+    t152 = W_V.transpose(-1, -2)
+    t153 = (1/(math.sqrt(d_K)*n_batch)) * t151
+    t154 = oe.contract('ab,cdbe,ef->afcd', t152, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t155 = oe.contract('abc,acd->bdac', t153, X, optimize=[(0, 1)])
+    t156 = t71.transpose(-1, -2)
+    t157 = (1/(L*math.sqrt(d_K)*n_batch)) * t156
+    t158 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t12, dA18, t61, t152, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t159 = oe.contract('abc,acd->bdac', t157, X, optimize=[(0, 1)])
+    t150[...] = oe.contract('abcd,efcd->aefb', t154, t155, optimize=[(0, 1)])
+    t150 += oe.contract('abcd,efcd->eafb', t158, t159, optimize=[(0, 1)])
+    t160 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t161 = t160.view((d_H, d_V, d_V, d_K))
+    t162 = oe.contract('abc,acd,de->beac', t153, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t163 = oe.contract('ab,cdbe->aecd', t152, M_2, optimize=[(0, 1)])
+    t164 = oe.contract('abc,acd,de->beac', t157, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t165 = oe.contract('abc,abcd,de,ef,abfg->cgab', t12, dA18, t61, t152, M_2, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t161[...] = oe.contract('abcd,efcd->eafb', t162, t163, optimize=[(0, 1)])
+    t161 += oe.contract('abcd,efcd->aefb', t164, t165, optimize=[(0, 1)])
+    t166 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t167 = t166.view((d_H, d_V, d_V, d_H))
+    t168 = (1/(L*n_batch)) * t156
+    t169 = oe.contract('ab,cdea,cde->ebcd', t61, dA18, t12, optimize=[(0, 1), (0, 1)])
+    t170 = oe.contract('abc,acd->bdac', t168, M_1, optimize=[(0, 1)])
+    t171 = t167.diagonal(0, 0, 3)
+    t172 = t151 @ M_1
+    t173 = oe.contract('abc->bc', t172, optimize=[(0,)])
+    t167[...] = oe.contract('abcd,efcd->eafb', t169, t170, optimize=[(0, 1)])
+    t171 += oe.contract('a,bc->bca', t147, t173, optimize=[(0, 1)])
+    t174 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t175 = t174.view((d_H, d_V, d_H, d_V))
+    t176 = oe.contract('abc,abcd->cdab', t12, dA18, optimize=[(0, 1)])
+    t177 = oe.contract('abc,acd->bdac', t168, t71, optimize=[(0, 1)])
+    t175[...] = oe.contract('abcd,efcd->eafb', t176, t177, optimize=[(0, 1)])
     return H
 
 
@@ -16539,7 +16873,6 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t19, M_2, t9, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
     t21 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     F = t13
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
@@ -16558,6 +16891,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (1/(d_K*n_batch)) * t1
     t32 = oe.contract('ab,cdbe,ea->acd', t31, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t33 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
     return out
 
@@ -16647,24 +16981,33 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = t9.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, t9, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t19, M_2, t9, t11, dA17, t18, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t13
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t18 @ t2
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = t18 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t30, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cdbe,ef->afcd', t31, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t34 = t20.reshape(*t20.shape[:2], -1)
+    t35 = t32.reshape(*t32.shape[:2], -1)
+    t36 = torch.cat([t34, t35], dim=-1)
+    t37 = t21.reshape(*t21.shape[:2], -1)
+    t38 = t33.reshape(*t33.shape[:2], -1)
+    t39 = torch.cat([t37, t38], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
     return out
 
 
@@ -16728,66 +17071,71 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t10 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = W_O.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = t19 @ t21
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
-    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = t11 @ W_O
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t9 * A14
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = W_O.transpose(-1, -2)
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = t18 @ t20
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t3
-    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t34 = W_V @ W_O
-    t35 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A36 = t35 / t35.sum(-1, keepdim=True)
-    t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t29 = W_V @ W_O
+    t30 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = oe.contract('abc,cd->abcd', A36, t37, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A36, A36, optimize=[(0, 1)])
-    t39 = t34.transpose(-1, -2)
-    t40 = (1/(L*d_K*n_batch)) * t3
-    t41 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t42 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t40, M_2, t34, t10, dA38, t39, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    dA33 = oe.contract('abc,cd->abcd', A31, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A31, A31, optimize=[(0, 1)])
+    t34 = t29.transpose(-1, -2)
+    t35 = (1/(L*d_K*n_batch)) * t1
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t35, M_2, t29, t9, dA33, t34, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = t0.diagonal(0, 1, 3)
+    t39 = t24 @ X
+    t40 = t2 @ t39
+    t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = oe.contract('abc->bc', t40, optimize=[(0,)])
+    t44 = t27.reshape(*t27.shape[:2], -1)
+    t45 = t36.reshape(*t36.shape[:2], -1)
+    t46 = torch.cat([t44, t45], dim=-1)
+    t47 = t28.reshape(*t28.shape[:2], -1)
+    t48 = t37.reshape(*t37.shape[:2], -1)
+    t49 = torch.cat([t47, t48], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t46, t49, optimize=[(0, 1)])
+    t38 += oe.contract('a,bc->bca', t42, t43, optimize=[(0, 1)])
     return out
 
 
@@ -16884,19 +17232,21 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
     t18 = W_O.transpose(-1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t19, M_2, X, t9, t11, dA17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t19, M_2, t9, t11, dA17, t18, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
     F = t13
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G @ t18
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t27 = oe.contract('abc,abd->cdab', X, t25, optimize=[(0, 1)])
-    t28 = oe.contract('ab,cdeb->aecd', t26, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = G @ t18
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('abc,abd->cdab', X, t27, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cdeb->aecd', t28, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -16981,7 +17331,6 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = oe.contract('ab,cdeb,ef,fg,cdg,cdgh->ahcd', t18, M_2, W_V, W_O, t10, dA17, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
     t20 = oe.contract('abc,abd->cdab', X, t12, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     F = t13
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
@@ -16992,6 +17341,7 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t27 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
     t28 = oe.contract('ab,cdeb,ef->afcd', t26, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
@@ -17077,7 +17427,6 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = oe.contract('ab,cdb,cde,ea->acd', t20, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     F = t14
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -17094,7 +17443,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t32 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t32, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t33 = oe.contract('ab,cbd,cde,ea->acd', t32, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -17157,9 +17509,8 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -17188,35 +17539,43 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = G @ t22
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
-    t26 = t25.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t2 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
-    t31 = W_Q.transpose(-1, -2)
-    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t31
-    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t36 = W_V @ W_O
-    t37 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A38 = t37 / t37.sum(-1, keepdim=True)
-    t39 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t30 = W_V @ W_O
+    t31 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = oe.contract('abc,cd->abcd', A38, t39, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A38, A38, optimize=[(0, 1)])
-    t41 = t36.transpose(-1, -2)
-    t42 = (1/(L*d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t42, M_2, X, t36, t10, dA40, t41, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA34 = oe.contract('abc,cd->abcd', A32, t33, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A32, A32, optimize=[(0, 1)])
+    t35 = t30.transpose(-1, -2)
+    t36 = (1/(L*d_K*n_batch)) * t1
+    t37 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t35, dA34, t10, t30, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,cdb,cde->aecd', t36, X, X, optimize=[(0, 1), (0, 1)])
+    t39 = t0.diagonal(0, 1, 3)
+    t40 = t25.transpose(-1, -2)
+    t41 = t40 @ X
+    t42 = t2 @ t41
+    t43 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t45 = oe.contract('abc->bc', t42, optimize=[(0,)])
+    t46 = t28.reshape(*t28.shape[:2], -1)
+    t47 = t37.reshape(*t37.shape[:2], -1)
+    t48 = torch.cat([t46, t47], dim=-1)
+    t49 = t29.reshape(*t29.shape[:2], -1)
+    t50 = t38.reshape(*t38.shape[:2], -1)
+    t51 = torch.cat([t49, t50], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t48, t51, optimize=[(0, 1)])
+    t39 += oe.contract('a,bc->bca', t44, t45, optimize=[(0, 1)])
     return out
 
 
@@ -17318,7 +17677,6 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = oe.contract('ab,cdb,cde,ef->afcd', t20, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t10, t12, dA18, t19, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     F = t14
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -17337,7 +17695,13 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = (1/(d_K*n_batch)) * t1
     t33 = oe.contract('ab,cbd,cde,ef->afcd', t32, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t34 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = t21.reshape(*t21.shape[:2], -1)
+    t36 = t33.reshape(*t33.shape[:2], -1)
+    t37 = torch.cat([t35, t36], dim=-1)
+    t38 = t22.reshape(*t22.shape[:2], -1)
+    t39 = t34.reshape(*t34.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t37, t40, optimize=[(0, 1)])
     return out
 
 
@@ -17430,19 +17794,21 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t20, M_2, X, t10, t12, dA18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t19, dA18, t12, t10, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t20, X, M_1, optimize=[(0, 1), (0, 1)])
     F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t12 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = G @ t19
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, t26, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t12 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = G @ t19
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, t28, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -17527,18 +17893,20 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,gh,cdh,cdhi,cdj->faji', t19, M_2, X, W_V, W_O, t11, dA18, t13, optimize=[(5, 6), (0, 2), (1, 2), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,ef,abf,abfg->dgab', M_2, W_V, W_O, t11, dA18, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, t13, optimize=[(0, 1), (0, 1)])
     F = t14
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t26 = oe.contract('ab,cdb,cde->aecd', t25, X, G, optimize=[(0, 1), (0, 1)])
-    t27 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -17694,7 +18062,6 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
     t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     t24 = M_1.transpose(-1, -2)
     t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -17707,6 +18074,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t33 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t2, dA28, t31, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
     t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return out
 
@@ -17800,7 +18168,6 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
     t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t24 = M_1.transpose(-1, -2)
     t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -17813,6 +18180,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t33 = oe.contract('abc,acd,de->beac', t32, X, W_Q, optimize=[(1, 2), (0, 1)])
     t34 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t2, dA28, t31, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
@@ -17968,7 +18336,6 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (1/(L*n_batch)) * t9
     t18 = oe.contract('ab,cdb,cdbe->aecd', W_O, t11, dA, optimize=[(1, 2), (0, 1)])
     t19 = oe.contract('abc,acd->bdac', t17, t12, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     t20 = t0.diagonal(0, 1, 2)
     F = t13
     t21 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -17980,6 +18347,7 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t27 = (1/n_batch) * t26
     t28 = oe.contract('abc,acd->bd', t9, G, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     t20 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
     return out
 
@@ -18131,18 +18499,20 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t21, t19, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = t11.transpose(-1, -2)
-    t23 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t22 = oe.contract('ab,cdbe,ef->afcd', t19, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t24 = t11.transpose(-1, -2)
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
-    t27 = W_O.transpose(-1, -2)
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t29 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t2, dA26, t27, t19, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    dA28 = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t29 = W_O.transpose(-1, -2)
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t2, dA28, t29, t19, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -18233,7 +18603,6 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
     t23 = oe.contract('ab,cdbe->aecd', t19, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t24 = t11.transpose(-1, -2)
     t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -18244,6 +18613,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
     t32 = oe.contract('abc,abcd,de,ef,abfg->cgab', t2, dA28, t29, t19, M_2, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
@@ -18303,46 +18673,48 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_H*d_V, d_H*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_H, d_V, d_V, d_H))
-    t1 = t0.diagonal(0, 0, 3)
-    t2 = Y.sum(-1, keepdim=True)
-    t3 = t2.expand(*t2.shape[:-1], d_V)
-    t4 = W_K.transpose(-1, -2)
-    t5 = X.transpose(-1, -2)
-    t6 = t4 @ t5
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t3 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = t19 @ M_1
-    t21 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t22 = (1/n_batch) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
-    t23 = t12.transpose(-1, -2)
-    t24 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t1 = W_V.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t1 @ t10
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = t11.transpose(-1, -2)
+    t15 = t14 @ W_O
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
-    t27 = W_O.transpose(-1, -2)
-    t28 = (1/(L*n_batch)) * t23
-    t29 = oe.contract('ab,cdea,cde->ebcd', t27, dA, t3, optimize=[(0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t19 = W_O.transpose(-1, -2)
+    t20 = (1/(L*n_batch)) * t11
+    t21 = oe.contract('ab,cdea,cde->ebcd', t19, dA, t13, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, M_1, optimize=[(0, 1)])
+    t23 = t0.diagonal(0, 0, 3)
+    F = t15
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = t29 @ M_1
+    t31 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t32 = (1/n_batch) * t31
+    t33 = oe.contract('abc->bc', t30, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -18420,7 +18792,9 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t19 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t13, dA, t14, optimize=[(1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abcd->cdab', t13, dA, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -19393,82 +19767,96 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t22, M_2, X, t12, t14, dA20, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t26 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t22, M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t24[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_H))
-    t29 = W_O.transpose(-1, -2)
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t28[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t30, M_2, X, t12, t14, dA20, M_1, t29, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_H, d_V))
-    t33 = M_1 @ W_V
-    t32[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t30, M_2, X, t12, t14, dA20, t33, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = W_Q.transpose(-1, -2)
-    t37 = (1/(L*d_K*n_batch)) * t36
-    t35[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t37, M_2, X, t12, t14, dA20, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t40 = oe.contract('ab,cdb,cde,ef->afcd', t37, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t41 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_H))
-    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
-    t43[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t44, M_2, X, t12, t14, dA20, M_1, t29, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t46 = t45.view((d_V, d_K, d_H, d_V))
-    t46[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t44, M_2, X, t12, t14, dA20, t33, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_H, d_V, d_K))
-    t49 = M_1.transpose(-1, -2)
-    t50 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
-    t51 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t14, dA20, t21, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t52 = oe.contract('abc,acd->bdac', t50, X, optimize=[(0, 1)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = t53.view((d_V, d_H, d_V, d_K))
-    t55 = oe.contract('abc,acd,de->beac', t50, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t56 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t14, dA20, t21, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t54[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t58 = t57.view((d_V, d_H, d_V, d_H))
-    t59 = (1/(L*n_batch)) * t49
-    t60 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t14, dA20, t29, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61 = oe.contract('abc,acd->bdac', t59, M_1, optimize=[(0, 1)])
-    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t63 = t62.view((d_V, d_H, d_H, d_V))
-    t64 = oe.contract('ab,cdb,cdbe->aecd', W_O, t14, dA20, optimize=[(1, 2), (0, 1)])
-    t65 = oe.contract('abc,acd->bdac', t59, t33, optimize=[(0, 1)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t67 = t66.view((d_H, d_V, d_V, d_K))
-    t68 = t33.transpose(-1, -2)
-    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t68
-    t70 = oe.contract('abc,abcd,de,abef,fg->cgab', t14, dA20, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
-    t67[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
-    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t73 = t72.view((d_H, d_V, d_V, d_K))
-    t74 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t75 = oe.contract('abc,abcd,de,abef->cfab', t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t73[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t77 = t76.view((d_H, d_V, d_V, d_H))
-    t78 = (1/(L*n_batch)) * t68
-    t79 = oe.contract('ab,cdea,cde->ebcd', t29, dA20, t14, optimize=[(0, 1), (0, 1)])
-    t80 = oe.contract('abc,acd->bdac', t78, M_1, optimize=[(0, 1)])
-    t77[...] = oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
-    t81 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t82 = t81.view((d_H, d_V, d_H, d_V))
-    t82[...] = oe.contract('abc,acd,acde,acf->bdfe', t78, t14, dA20, t33, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t22, M_2, t12, t14, dA20, t21, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t22, M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t26[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t30 = t29.view((d_V, d_K, d_V, d_H))
+    t31 = W_O.transpose(-1, -2)
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t33 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t32, M_2, t12, t14, dA20, t31, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_H, d_V))
+    t37 = M_1 @ W_V
+    t38 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t32, M_2, t12, t14, dA20, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t39 = oe.contract('abc,abd->cdab', X, t37, optimize=[(0, 1)])
+    t36[...] = oe.contract('abcd,efcd->eafb', t38, t39, optimize=[(0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = W_Q.transpose(-1, -2)
+    t43 = (1/(L*d_K*n_batch)) * t42
+    t44 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t21, dA20, t14, t12, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdb,cde->aecd', t43, X, X, optimize=[(0, 1), (0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = oe.contract('ab,cdb,cde,ef->afcd', t43, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t51 = t50.view((d_V, d_K, d_V, d_H))
+    t52 = (1/(L*math.sqrt(d_K)*n_batch)) * t42
+    t53 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t31, dA20, t14, t12, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t54 = oe.contract('ab,cdb,cde->aecd', t52, X, M_1, optimize=[(0, 1), (0, 1)])
+    t51[...] = oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t56 = t55.view((d_V, d_K, d_H, d_V))
+    t57 = oe.contract('abcd,ce,abe,abef->dfab', M_2, t12, t14, dA20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t58 = oe.contract('ab,cdb,cde->aecd', t52, X, t37, optimize=[(0, 1), (0, 1)])
+    t56[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t60 = t59.view((d_V, d_H, d_V, d_K))
+    t61 = M_1.transpose(-1, -2)
+    t62 = (1/(L*math.sqrt(d_K)*n_batch)) * t61
+    t63 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t14, dA20, t21, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t64 = oe.contract('abc,acd->bdac', t62, X, optimize=[(0, 1)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_H, d_V, d_K))
+    t67 = oe.contract('abc,acd,de->beac', t62, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t68 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t14, dA20, t21, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t66[...] = oe.contract('abcd,efcd->aefb', t67, t68, optimize=[(0, 1)])
+    t69 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t70 = t69.view((d_V, d_H, d_V, d_H))
+    t71 = (1/(L*n_batch)) * t61
+    t72 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t14, dA20, t31, optimize=[(0, 1), (0, 1), (0, 1)])
+    t73 = oe.contract('abc,acd->bdac', t71, M_1, optimize=[(0, 1)])
+    t70[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t75 = t74.view((d_V, d_H, d_H, d_V))
+    t76 = oe.contract('ab,cdb,cdbe->aecd', W_O, t14, dA20, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t71, t37, optimize=[(0, 1)])
+    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t79 = t78.view((d_H, d_V, d_V, d_K))
+    t80 = t37.transpose(-1, -2)
+    t81 = (1/(L*math.sqrt(d_K)*n_batch)) * t80
+    t82 = oe.contract('abc,abcd,de,abef,fg->cgab', t14, dA20, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t83 = oe.contract('abc,acd->bdac', t81, X, optimize=[(0, 1)])
+    t79[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t85 = t84.view((d_H, d_V, d_V, d_K))
+    t86 = oe.contract('abc,acd,de->beac', t81, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t87 = oe.contract('abc,abcd,de,abef->cfab', t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t85[...] = oe.contract('abcd,efcd->aefb', t86, t87, optimize=[(0, 1)])
+    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t89 = t88.view((d_H, d_V, d_V, d_H))
+    t90 = (1/(L*n_batch)) * t80
+    t91 = oe.contract('ab,cdea,cde->ebcd', t31, dA20, t14, optimize=[(0, 1), (0, 1)])
+    t92 = oe.contract('abc,acd->bdac', t90, M_1, optimize=[(0, 1)])
+    t89[...] = oe.contract('abcd,efcd->eafb', t91, t92, optimize=[(0, 1)])
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t94 = t93.view((d_H, d_V, d_H, d_V))
+    t95 = oe.contract('abc,abcd->cdab', t14, dA20, optimize=[(0, 1)])
+    t96 = oe.contract('abc,acd->bdac', t90, t37, optimize=[(0, 1)])
+    t94[...] = oe.contract('abcd,efcd->eafb', t95, t96, optimize=[(0, 1)])
     return H
 
 
@@ -19729,7 +20117,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, t11, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t21, M_2, t11, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -19891,7 +20281,9 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = W_O.transpose(-1, -2)
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t21, M_2, X, t11, t13, dA19, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t21, M_2, t11, t13, dA19, t20, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -19971,7 +20363,9 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = M_1 @ W_V
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t21, M_2, X, t11, t13, dA19, t20, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg->agcd', t21, M_2, t11, t13, dA19, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, t20, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -20134,7 +20528,9 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t22, M_2, X, t12, t14, dA20, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t21, dA20, t14, t12, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cde->aecd', t22, X, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -20300,7 +20696,9 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = W_O.transpose(-1, -2)
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t22, M_2, X, t12, t14, dA20, M_1, t21, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t21, dA20, t14, t12, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cde->aecd', t22, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -20382,7 +20780,9 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = M_1 @ W_V
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t22, M_2, X, t12, t14, dA20, t21, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abef->dfab', M_2, t12, t14, dA20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cde->aecd', t22, X, t21, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -21186,7 +21586,9 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
     t21 = (1/(L*n_batch)) * t13
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t21, t15, dA, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abcd->cdab', t15, dA, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -21272,103 +21674,109 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
     t29 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t27 @ X
-    t34 = t3 @ t33
-    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t32 += oe.contract('abc,d->bcd', t34, t36, optimize=[(0, 1)])
-    t37 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t38 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
-    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_H))
+    t30 = oe.contract('ab,cdbe,ef->afcd', t29, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t36 = t33.diagonal(0, 1, 3)
+    t37 = t27 @ X
+    t38 = t3 @ t37
+    t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t41 = oe.contract('abc->bc', t38, optimize=[(0,)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 += oe.contract('a,bc->bca', t40, t41, optimize=[(0, 1)])
+    t42 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
     dA = oe.contract('abc,cd->abcd', A, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t41 = G @ t21
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t43 = oe.contract('abc,abd->cdab', X, t41, optimize=[(0, 1)])
-    t44 = oe.contract('ab,cdeb->aecd', t42, M_2, optimize=[(0, 1)])
-    t40[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
-    t45 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t46 = t45.view((d_V, d_K, d_H, d_V))
-    t47 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cdeb,ef->afcd', t42, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t46[...] = oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t49[...] = 0
-    t50 = t49.view((d_V, d_K, d_V, d_K))
-    t51 = t50.diagonal(0, 1, 3)
-    t52 = t34.transpose(-1, -2)
-    t51 += oe.contract('abc,d->bcd', t52, t36, optimize=[(0, 1)])
-    t53 = W_Q.transpose(-1, -2)
-    t54 = (1/(d_K*n_batch)) * t53
-    t55 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t56 = oe.contract('ab,cbd,cde->aecd', t54, t3, X, optimize=[(0, 1), (0, 1)])
-    t50 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = t57.view((d_V, d_K, d_V, d_K))
-    t59 = oe.contract('ab,cbd,cde,ef->afcd', t54, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t60 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t58[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t62 = t61.view((d_V, d_K, d_V, d_H))
-    t63 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t64 = oe.contract('ab,cdb,cde->aecd', t63, X, t41, optimize=[(0, 1), (0, 1)])
-    t65 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t67 = t66.view((d_V, d_K, d_H, d_V))
-    t68 = oe.contract('ab,cdb,cde->aecd', t63, X, G, optimize=[(0, 1), (0, 1)])
-    t69 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t71 = t70.view((d_V, d_H, d_V, d_K))
-    t72 = t41.transpose(-1, -2)
-    t73 = (1/(math.sqrt(d_K)*n_batch)) * t72
-    t74 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t75 = oe.contract('abc,acd->bdac', t73, X, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t77 = t76.view((d_V, d_H, d_V, d_K))
-    t78 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t79 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t77[...] = oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
-    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t80[...] = 0
-    t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t81[...] = 0
-    t82 = t81.view((d_V, d_H, d_H, d_V))
-    t83 = t82.diagonal(0, 1, 2)
-    t84 = M_1.transpose(-1, -2)
-    t85 = t84 @ G
-    t86 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t87 = (1/n_batch) * t86
-    t83 += oe.contract('abc,d->bcd', t85, t87, optimize=[(0, 1)])
-    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t89 = t88.view((d_H, d_V, d_V, d_K))
-    t90 = G.transpose(-1, -2)
-    t91 = (1/(math.sqrt(d_K)*n_batch)) * t90
-    t89[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t91, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t93 = t92.view((d_H, d_V, d_V, d_K))
-    t94 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t95 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
-    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
-    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t96[...] = 0
-    t97 = t96.view((d_H, d_V, d_V, d_H))
-    t98 = t97.diagonal(0, 0, 3)
-    t99 = t85.transpose(-1, -2)
-    t98 += oe.contract('abc,d->bcd', t99, t87, optimize=[(0, 1)])
-    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t100[...] = 0
+    t44 = G @ t21
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t46 = oe.contract('abc,abd->cdab', X, t44, optimize=[(0, 1)])
+    t47 = oe.contract('ab,cdeb->aecd', t45, M_2, optimize=[(0, 1)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t49 = t48.view((d_V, d_K, d_H, d_V))
+    t50 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cdeb,ef->afcd', t45, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t49[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = W_Q.transpose(-1, -2)
+    t55 = (1/(d_K*n_batch)) * t54
+    t56 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t57 = oe.contract('ab,cbd,cde->aecd', t55, t3, X, optimize=[(0, 1), (0, 1)])
+    t58 = t53.diagonal(0, 1, 3)
+    t59 = t38.transpose(-1, -2)
+    t60 = oe.contract('abc->bc', t59, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t58 += oe.contract('a,bc->bca', t40, t60, optimize=[(0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_V, d_K))
+    t63 = oe.contract('ab,cbd,cde,ef->afcd', t55, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t66 = t65.view((d_V, d_K, d_V, d_H))
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t54
+    t68 = oe.contract('ab,cdb,cde->aecd', t67, X, t44, optimize=[(0, 1), (0, 1)])
+    t69 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t71 = t70.view((d_V, d_K, d_H, d_V))
+    t72 = oe.contract('ab,cdb,cde->aecd', t67, X, G, optimize=[(0, 1), (0, 1)])
+    t73 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t75 = t74.view((d_V, d_H, d_V, d_K))
+    t76 = t44.transpose(-1, -2)
+    t77 = (1/(math.sqrt(d_K)*n_batch)) * t76
+    t78 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t79 = oe.contract('abc,acd->bdac', t77, X, optimize=[(0, 1)])
+    t75[...] = oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
+    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t81 = t80.view((d_V, d_H, d_V, d_K))
+    t82 = oe.contract('abc,acd,de->beac', t77, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t83 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t81[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t84[...] = 0
+    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t85[...] = 0
+    t86 = t85.view((d_V, d_H, d_H, d_V))
+    t87 = t86.diagonal(0, 1, 2)
+    t88 = M_1.transpose(-1, -2)
+    t89 = t88 @ G
+    t90 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t91 = (1/n_batch) * t90
+    t92 = oe.contract('abc->bc', t89, optimize=[(0,)])
+    t87 += oe.contract('a,bc->bca', t91, t92, optimize=[(0, 1)])
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t94 = t93.view((d_H, d_V, d_V, d_K))
+    t95 = G.transpose(-1, -2)
+    t96 = (1/(math.sqrt(d_K)*n_batch)) * t95
+    t97 = oe.contract('ab,cdbe,ef->afcd', t22, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t98 = oe.contract('abc,acd->bdac', t96, X, optimize=[(0, 1)])
+    t94[...] = oe.contract('abcd,efcd->aefb', t97, t98, optimize=[(0, 1)])
+    t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t100 = t99.view((d_H, d_V, d_V, d_K))
+    t101 = oe.contract('abc,acd,de->beac', t96, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t102 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t100[...] = oe.contract('abcd,efcd->eafb', t101, t102, optimize=[(0, 1)])
+    t103 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t103[...] = 0
+    t104 = t103.view((d_H, d_V, d_V, d_H))
+    t105 = t104.diagonal(0, 0, 3)
+    t106 = t89.transpose(-1, -2)
+    t107 = oe.contract('abc->bc', t106, optimize=[(0,)])
+    t105 += oe.contract('a,bc->bca', t91, t107, optimize=[(0, 1)])
+    t108 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t108[...] = 0
     return H
 
 
@@ -21684,7 +22092,9 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t29 = oe.contract('ab,cdbe,ef->afcd', t28, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -21743,53 +22153,53 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = t14 @ W_O
-    F = t15
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t12 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = W_O.transpose(-1, -2)
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = t21 @ t23
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
-    t28 = t27 @ X
-    t29 = t2 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t1 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
-    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = t13 @ W_O
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t11 * A16
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_O.transpose(-1, -2)
+    t21 = W_V.transpose(-1, -2)
+    t22 = t21 @ t2
+    t23 = t20 @ t22
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t3
-    t34 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t31 = t0.diagonal(0, 1, 3)
+    t32 = t26 @ X
+    t33 = t2 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = oe.contract('abc->bc', t33, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -22060,7 +22470,9 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t29 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t30 = oe.contract('ab,cbd,cde,ea->acd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -22118,9 +22530,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -22151,22 +22562,23 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = G @ t24
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
-    t28 = t27.transpose(-1, -2)
-    t29 = t28 @ X
-    t30 = t2 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t1 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
-    t34 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t34, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t35 = (1/(d_K*n_batch)) * t33
-    t36 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t37 = oe.contract('ab,cbd,cde->aecd', t35, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t30 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t31 = oe.contract('ab,cbd,cde->aecd', t29, t2, X, optimize=[(0, 1), (0, 1)])
+    t32 = t0.diagonal(0, 1, 3)
+    t33 = t27.transpose(-1, -2)
+    t34 = t33 @ X
+    t35 = t2 @ t34
+    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t38 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 += oe.contract('a,bc->bca', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -22755,7 +23167,8 @@ def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t12 @ G
     t23 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t24 = (1/n_batch) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
+    t25 = oe.contract('abc->bc', t22, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -22858,7 +23271,9 @@ def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t23, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ef->afcd', t21, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -23030,7 +23445,8 @@ def ce_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t21 @ M_1
     t23 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t24 = (1/n_batch) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
+    t25 = oe.contract('abc->bc', t22, optimize=[(0,)])
+    t1 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -23131,161 +23547,197 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t22, M_2, X, t12, t14, dA20, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t22, M_2, t12, t14, dA20, t21, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t16
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t14 * A24
-    t26 = t25 - Y
-    t27 = (1/L) * t26
-    G = t27
-    t28 = t21 @ t3
-    t29 = G @ t28
-    t30 = t29 - (A * t29).sum(-1, keepdim=True)
-    t31 = A * t30
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t14 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = t21 @ t3
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdim=True)
+    t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t31, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t33, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t33, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t33, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t32, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t31 @ X
-    t37 = t3 @ t36
-    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t35 += oe.contract('abc,d->bcd', t37, t39, optimize=[(0, 1)])
-    t40 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdbe->aecd', t32, M_3, optimize=[(0, 1)])
-    t34 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t43 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t22, M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t34 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t45 = t44.view((d_V, d_K, d_V, d_H))
-    t46 = W_O.transpose(-1, -2)
-    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t47, M_2, X, t12, t14, dA20, M_1, t46, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t48 = G @ t46
-    t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t50 = oe.contract('abc,abd->cdab', X, t48, optimize=[(0, 1)])
-    t51 = oe.contract('ab,cdeb->aecd', t49, M_2, optimize=[(0, 1)])
-    t45 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_H, d_V))
-    t54 = M_1 @ W_V
-    t55 = oe.contract('ab,cdeb,ef,fg,cdg,cdgh->ahcd', t47, M_2, W_V, W_O, t14, dA20, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
-    t56 = oe.contract('abc,abd->cdab', X, t54, optimize=[(0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t58 = oe.contract('ab,cdeb,ef->afcd', t49, M_2, W_V, optimize=[(0, 1), (0, 1)])
-    t53 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t59[...] = 0
-    t60 = t59.view((d_V, d_K, d_V, d_K))
-    t61 = t60.diagonal(0, 1, 3)
-    t62 = t37.transpose(-1, -2)
-    t61 += oe.contract('abc,d->bcd', t62, t39, optimize=[(0, 1)])
-    t63 = W_Q.transpose(-1, -2)
-    t64 = (1/(d_K*n_batch)) * t63
-    t65 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t66 = oe.contract('ab,cbd,cde->aecd', t64, t3, X, optimize=[(0, 1), (0, 1)])
-    t60 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
-    t67 = (1/(L*d_K*n_batch)) * t63
-    t60 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t67, M_2, X, t12, t14, dA20, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t69 = t68.view((d_V, d_K, d_V, d_K))
-    t70 = oe.contract('ab,cdb,cde,ef->afcd', t67, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t71 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
-    t72 = oe.contract('ab,cbd,cde,ef->afcd', t64, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t73 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t69 += oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
-    t74 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t75 = t74.view((d_V, d_K, d_V, d_H))
-    t76 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
-    t75[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t76, M_2, X, t12, t14, dA20, M_1, t46, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t77 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t78 = oe.contract('ab,cdb,cde->aecd', t77, X, t48, optimize=[(0, 1), (0, 1)])
-    t79 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t75 += oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
-    t80 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t81 = t80.view((d_V, d_K, d_H, d_V))
-    t81[...] = oe.contract('ab,cdef,cdb,eg,gh,cdh,cdhi,cdj->faji', t76, M_2, X, W_V, W_O, t14, dA20, t54, optimize=[(5, 6), (0, 2), (1, 2), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t82 = oe.contract('ab,cdb,cde->aecd', t77, X, G, optimize=[(0, 1), (0, 1)])
-    t83 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t81 += oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
-    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t85 = t84.view((d_V, d_H, d_V, d_K))
-    t86 = t48.transpose(-1, -2)
-    t87 = (1/(math.sqrt(d_K)*n_batch)) * t86
-    t88 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t89 = oe.contract('abc,acd->bdac', t87, X, optimize=[(0, 1)])
-    t85[...] = oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
-    t90 = M_1.transpose(-1, -2)
-    t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
-    t92 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t14, dA20, t21, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t93 = oe.contract('abc,acd->bdac', t91, X, optimize=[(0, 1)])
-    t85 += oe.contract('abcd,efcd->eafb', t92, t93, optimize=[(0, 1)])
-    t94 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t95 = t94.view((d_V, d_H, d_V, d_K))
-    t96 = oe.contract('abc,acd,de->beac', t87, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t97 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t95[...] = oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
-    t98 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t99 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t14, dA20, t21, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t95 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
-    t100 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t101 = t100.view((d_V, d_H, d_V, d_H))
-    t102 = (1/(L*n_batch)) * t90
-    t103 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t14, dA20, t46, optimize=[(0, 1), (0, 1), (0, 1)])
-    t104 = oe.contract('abc,acd->bdac', t102, M_1, optimize=[(0, 1)])
-    t101[...] = oe.contract('abcd,efcd->eafb', t103, t104, optimize=[(0, 1)])
-    t105 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t106 = t105.view((d_V, d_H, d_H, d_V))
-    t107 = oe.contract('ab,cdb,cdbe->aecd', W_O, t14, dA20, optimize=[(1, 2), (0, 1)])
-    t108 = oe.contract('abc,acd->bdac', t102, t54, optimize=[(0, 1)])
-    t106[...] = oe.contract('abcd,efcd->eafb', t107, t108, optimize=[(0, 1)])
-    t109 = t106.diagonal(0, 1, 2)
-    t110 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t111 = (1/n_batch) * t110
-    t112 = oe.contract('abc,acd->bd', t90, G, optimize=[(0, 1)])
-    t109 += oe.contract('a,bc->bca', t111, t112, optimize=[(0, 1)])
-    t113 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t114 = t113.view((d_H, d_V, d_V, d_K))
-    t115 = G.transpose(-1, -2)
-    t116 = W_V.transpose(-1, -2)
-    t117 = (1/(math.sqrt(d_K)*n_batch)) * t115
-    t114[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t117, t116, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t118 = t54.transpose(-1, -2)
-    t119 = (1/(L*math.sqrt(d_K)*n_batch)) * t118
-    t120 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t14, dA20, t46, t116, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
-    t121 = oe.contract('abc,acd->bdac', t119, X, optimize=[(0, 1)])
-    t114 += oe.contract('abcd,efcd->eafb', t120, t121, optimize=[(0, 1)])
-    t122 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t123 = t122.view((d_H, d_V, d_V, d_K))
-    t124 = oe.contract('abc,acd,de->beac', t117, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t125 = oe.contract('ab,cdbe->aecd', t116, M_2, optimize=[(0, 1)])
-    t123[...] = oe.contract('abcd,efcd->eafb', t124, t125, optimize=[(0, 1)])
-    t126 = oe.contract('abc,acd,de->beac', t119, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t127 = oe.contract('abc,abcd,de,ef,abfg->cgab', t14, dA20, t46, t116, M_2, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t123 += oe.contract('abcd,efcd->aefb', t126, t127, optimize=[(0, 1)])
-    t128 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t128[...] = 0
-    t129 = t128.view((d_H, d_V, d_V, d_H))
-    t130 = t129.diagonal(0, 0, 3)
-    t131 = t115 @ M_1
-    t130 += oe.contract('abc,d->bcd', t131, t111, optimize=[(0, 1)])
-    t132 = (1/(L*n_batch)) * t118
-    t133 = oe.contract('ab,cdea,cde->ebcd', t46, dA20, t14, optimize=[(0, 1), (0, 1)])
-    t134 = oe.contract('abc,acd->bdac', t132, M_1, optimize=[(0, 1)])
-    t129 += oe.contract('abcd,efcd->eafb', t133, t134, optimize=[(0, 1)])
-    t135 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t136 = t135.view((d_H, d_V, d_H, d_V))
-    t136[...] = oe.contract('abc,acd,acde,acf->bdfe', t132, t14, dA20, t54, optimize=[(1, 2), (0, 1), (0, 1)])
+    t34 = (1/(d_K*n_batch)) * t2
+    t35 = oe.contract('ab,cdbe,ef->afcd', t34, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t36 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
+    t37 = t23.reshape(*t23.shape[:2], -1)
+    t38 = t35.reshape(*t35.shape[:2], -1)
+    t39 = torch.cat([t37, t38], dim=-1)
+    t40 = t24.reshape(*t24.shape[:2], -1)
+    t41 = t36.reshape(*t36.shape[:2], -1)
+    t42 = torch.cat([t40, t41], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t39, t42, optimize=[(0, 1)])
+    t43 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_V, d_K))
+    t45 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t46 = oe.contract('ab,cdbe->aecd', t34, M_3, optimize=[(0, 1)])
+    t47 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t48 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t22, M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t49 = t44.diagonal(0, 1, 3)
+    t50 = t33 @ X
+    t51 = t3 @ t50
+    t52 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t54 = oe.contract('abc->bc', t51, optimize=[(0,)])
+    t55 = t45.reshape(*t45.shape[:2], -1)
+    t56 = t47.reshape(*t47.shape[:2], -1)
+    t57 = torch.cat([t55, t56], dim=-1)
+    t58 = t46.reshape(*t46.shape[:2], -1)
+    t59 = t48.reshape(*t48.shape[:2], -1)
+    t60 = torch.cat([t58, t59], dim=-1)
+    t44[...] = oe.contract('abg,efg->aefb', t57, t60, optimize=[(0, 1)])
+    t49 += oe.contract('a,bc->bca', t53, t54, optimize=[(0, 1)])
+    t61 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_V, d_H))
+    t63 = W_O.transpose(-1, -2)
+    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t65 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t64, M_2, t12, t14, dA20, t63, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t66 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
+    t67 = G @ t63
+    t68 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t69 = oe.contract('abc,abd->cdab', X, t67, optimize=[(0, 1)])
+    t70 = oe.contract('ab,cdeb->aecd', t68, M_2, optimize=[(0, 1)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t62 += oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
+    t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t72 = t71.view((d_V, d_K, d_H, d_V))
+    t73 = M_1 @ W_V
+    t74 = oe.contract('ab,cdeb,ef,fg,cdg,cdgh->ahcd', t64, M_2, W_V, W_O, t14, dA20, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t75 = oe.contract('abc,abd->cdab', X, t73, optimize=[(0, 1)])
+    t76 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t77 = oe.contract('ab,cdeb,ef->afcd', t68, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t72[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t79 = t78.view((d_V, d_K, d_V, d_K))
+    t80 = W_Q.transpose(-1, -2)
+    t81 = (1/(d_K*n_batch)) * t80
+    t82 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t83 = oe.contract('ab,cbd,cde->aecd', t81, t3, X, optimize=[(0, 1), (0, 1)])
+    t84 = (1/(L*d_K*n_batch)) * t80
+    t85 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t21, dA20, t14, t12, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t86 = oe.contract('ab,cdb,cde->aecd', t84, X, X, optimize=[(0, 1), (0, 1)])
+    t87 = t79.diagonal(0, 1, 3)
+    t88 = t51.transpose(-1, -2)
+    t89 = oe.contract('abc->bc', t88, optimize=[(0,)])
+    t90 = t82.reshape(*t82.shape[:2], -1)
+    t91 = t85.reshape(*t85.shape[:2], -1)
+    t92 = torch.cat([t90, t91], dim=-1)
+    t93 = t83.reshape(*t83.shape[:2], -1)
+    t94 = t86.reshape(*t86.shape[:2], -1)
+    t95 = torch.cat([t93, t94], dim=-1)
+    t79[...] = oe.contract('abg,efg->aefb', t92, t95, optimize=[(0, 1)])
+    t87 += oe.contract('a,bc->bca', t53, t89, optimize=[(0, 1)])
+    t96 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t97 = t96.view((d_V, d_K, d_V, d_K))
+    t98 = oe.contract('ab,cdb,cde,ef->afcd', t84, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t99 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t100 = oe.contract('ab,cbd,cde,ef->afcd', t81, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t101 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t102 = t98.reshape(*t98.shape[:2], -1)
+    t103 = t100.reshape(*t100.shape[:2], -1)
+    t104 = torch.cat([t102, t103], dim=-1)
+    t105 = t99.reshape(*t99.shape[:2], -1)
+    t106 = t101.reshape(*t101.shape[:2], -1)
+    t107 = torch.cat([t105, t106], dim=-1)
+    t97[...] = oe.contract('abg,efg->eafb', t104, t107, optimize=[(0, 1)])
+    t108 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t109 = t108.view((d_V, d_K, d_V, d_H))
+    t110 = (1/(L*math.sqrt(d_K)*n_batch)) * t80
+    t111 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t63, dA20, t14, t12, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t112 = oe.contract('ab,cdb,cde->aecd', t110, X, M_1, optimize=[(0, 1), (0, 1)])
+    t113 = (1/(math.sqrt(d_K)*n_batch)) * t80
+    t114 = oe.contract('ab,cdb,cde->aecd', t113, X, t67, optimize=[(0, 1), (0, 1)])
+    t115 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t109[...] = oe.contract('abcd,efcd->aefb', t111, t112, optimize=[(0, 1)])
+    t109 += oe.contract('abcd,efcd->eafb', t114, t115, optimize=[(0, 1)])
+    t116 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t117 = t116.view((d_V, d_K, d_H, d_V))
+    t118 = oe.contract('abcd,ce,ef,abf,abfg->dgab', M_2, W_V, W_O, t14, dA20, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t119 = oe.contract('ab,cdb,cde->aecd', t110, X, t73, optimize=[(0, 1), (0, 1)])
+    t120 = oe.contract('ab,cdb,cde->aecd', t113, X, G, optimize=[(0, 1), (0, 1)])
+    t121 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t117[...] = oe.contract('abcd,efcd->aefb', t118, t119, optimize=[(0, 1)])
+    t117 += oe.contract('abcd,efcd->eafb', t120, t121, optimize=[(0, 1)])
+    t122 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t123 = t122.view((d_V, d_H, d_V, d_K))
+    t124 = t67.transpose(-1, -2)
+    t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
+    t126 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t127 = oe.contract('abc,acd->bdac', t125, X, optimize=[(0, 1)])
+    t128 = M_1.transpose(-1, -2)
+    t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
+    t130 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t14, dA20, t21, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t131 = oe.contract('abc,acd->bdac', t129, X, optimize=[(0, 1)])
+    t123[...] = oe.contract('abcd,efcd->aefb', t126, t127, optimize=[(0, 1)])
+    t123 += oe.contract('abcd,efcd->eafb', t130, t131, optimize=[(0, 1)])
+    t132 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t133 = t132.view((d_V, d_H, d_V, d_K))
+    t134 = oe.contract('abc,acd,de->beac', t125, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t135 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t136 = oe.contract('abc,acd,de->beac', t129, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t137 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t14, dA20, t21, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t133[...] = oe.contract('abcd,efcd->eafb', t134, t135, optimize=[(0, 1)])
+    t133 += oe.contract('abcd,efcd->aefb', t136, t137, optimize=[(0, 1)])
+    t138 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t139 = t138.view((d_V, d_H, d_V, d_H))
+    t140 = (1/(L*n_batch)) * t128
+    t141 = oe.contract('ab,cdb,cdbe,ef->afcd', W_O, t14, dA20, t63, optimize=[(0, 1), (0, 1), (0, 1)])
+    t142 = oe.contract('abc,acd->bdac', t140, M_1, optimize=[(0, 1)])
+    t139[...] = oe.contract('abcd,efcd->eafb', t141, t142, optimize=[(0, 1)])
+    t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t144 = t143.view((d_V, d_H, d_H, d_V))
+    t145 = oe.contract('ab,cdb,cdbe->aecd', W_O, t14, dA20, optimize=[(1, 2), (0, 1)])
+    t146 = oe.contract('abc,acd->bdac', t140, t73, optimize=[(0, 1)])
+    t147 = t144.diagonal(0, 1, 2)
+    t148 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t149 = (1/n_batch) * t148
+    t150 = oe.contract('abc,acd->bd', t128, G, optimize=[(0, 1)])
+    t144[...] = oe.contract('abcd,efcd->eafb', t145, t146, optimize=[(0, 1)])
+    t147 += oe.contract('a,bc->bca', t149, t150, optimize=[(0, 1)])
+    t151 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t152 = t151.view((d_H, d_V, d_V, d_K))
+    t153 = G.transpose(-1, -2)
+    t154 = W_V.transpose(-1, -2)
+    t155 = (1/(math.sqrt(d_K)*n_batch)) * t153
+    t156 = oe.contract('ab,cdbe,ef->afcd', t154, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t157 = oe.contract('abc,acd->bdac', t155, X, optimize=[(0, 1)])
+    t158 = t73.transpose(-1, -2)
+    t159 = (1/(L*math.sqrt(d_K)*n_batch)) * t158
+    t160 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t14, dA20, t63, t154, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t161 = oe.contract('abc,acd->bdac', t159, X, optimize=[(0, 1)])
+    t152[...] = oe.contract('abcd,efcd->aefb', t156, t157, optimize=[(0, 1)])
+    t152 += oe.contract('abcd,efcd->eafb', t160, t161, optimize=[(0, 1)])
+    t162 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t163 = t162.view((d_H, d_V, d_V, d_K))
+    t164 = oe.contract('abc,acd,de->beac', t155, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t165 = oe.contract('ab,cdbe->aecd', t154, M_2, optimize=[(0, 1)])
+    t166 = oe.contract('abc,acd,de->beac', t159, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t167 = oe.contract('abc,abcd,de,ef,abfg->cgab', t14, dA20, t63, t154, M_2, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t163[...] = oe.contract('abcd,efcd->eafb', t164, t165, optimize=[(0, 1)])
+    t163 += oe.contract('abcd,efcd->aefb', t166, t167, optimize=[(0, 1)])
+    t168 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t169 = t168.view((d_H, d_V, d_V, d_H))
+    t170 = (1/(L*n_batch)) * t158
+    t171 = oe.contract('ab,cdea,cde->ebcd', t63, dA20, t14, optimize=[(0, 1), (0, 1)])
+    t172 = oe.contract('abc,acd->bdac', t170, M_1, optimize=[(0, 1)])
+    t173 = t169.diagonal(0, 0, 3)
+    t174 = t153 @ M_1
+    t175 = oe.contract('abc->bc', t174, optimize=[(0,)])
+    t169[...] = oe.contract('abcd,efcd->eafb', t171, t172, optimize=[(0, 1)])
+    t173 += oe.contract('a,bc->bca', t149, t175, optimize=[(0, 1)])
+    t176 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t177 = t176.view((d_H, d_V, d_H, d_V))
+    t178 = oe.contract('abc,abcd->cdab', t14, dA20, optimize=[(0, 1)])
+    t179 = oe.contract('abc,acd->bdac', t170, t73, optimize=[(0, 1)])
+    t177[...] = oe.contract('abcd,efcd->eafb', t178, t179, optimize=[(0, 1)])
     return H
 
 
@@ -23526,7 +23978,6 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t21, M_2, t11, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
     t23 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     F = t15
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
@@ -23545,6 +23996,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (1/(d_K*n_batch)) * t1
     t34 = oe.contract('ab,cdbe,ea->acd', t33, M_3, W_K, optimize=[(0, 2), (0, 1)])
     t35 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
     return out
 
@@ -23638,24 +24090,33 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, t11, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ij->ajcd', t21, M_2, t11, t13, dA19, t20, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, X, optimize=[(0, 1)])
     F = t15
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t13 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = t20 @ t2
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdim=True)
-    t30 = A * t29
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t20 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t32, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t31 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t31, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdbe,ef->afcd', t33, M_3, W_K, optimize=[(0, 1), (0, 1)])
+    t35 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
+    t36 = t22.reshape(*t22.shape[:2], -1)
+    t37 = t34.reshape(*t34.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t39 = t23.reshape(*t23.shape[:2], -1)
+    t40 = t35.reshape(*t35.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
     return out
 
 
@@ -23721,68 +24182,73 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_K.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = t14 @ W_O
-    F = t15
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t12 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = W_O.transpose(-1, -2)
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = t21 @ t23
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
-    t28 = t27 @ X
-    t29 = t2 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t1 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
-    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = t13 @ W_O
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t11 * A16
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = W_O.transpose(-1, -2)
+    t21 = W_V.transpose(-1, -2)
+    t22 = t21 @ t2
+    t23 = t20 @ t22
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t33 = (1/(d_K*n_batch)) * t3
-    t34 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t36 = W_V @ W_O
-    t37 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A38 = t37 / t37.sum(-1, keepdim=True)
-    t39 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t31 = W_V @ W_O
+    t32 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = oe.contract('abc,cd->abcd', A38, t39, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A38, A38, optimize=[(0, 1)])
-    t41 = t36.transpose(-1, -2)
-    t42 = (1/(L*d_K*n_batch)) * t3
-    t43 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t44 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t42, M_2, t36, t12, dA40, t41, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    dA35 = oe.contract('abc,cd->abcd', A33, t34, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A33, A33, optimize=[(0, 1)])
+    t36 = t31.transpose(-1, -2)
+    t37 = (1/(L*d_K*n_batch)) * t1
+    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t37, M_2, t31, t11, dA35, t36, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = t0.diagonal(0, 1, 3)
+    t41 = t26 @ X
+    t42 = t2 @ t41
+    t43 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t45 = oe.contract('abc->bc', t42, optimize=[(0,)])
+    t46 = t29.reshape(*t29.shape[:2], -1)
+    t47 = t38.reshape(*t38.shape[:2], -1)
+    t48 = torch.cat([t46, t47], dim=-1)
+    t49 = t30.reshape(*t30.shape[:2], -1)
+    t50 = t39.reshape(*t39.shape[:2], -1)
+    t51 = torch.cat([t49, t50], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t48, t51, optimize=[(0, 1)])
+    t40 += oe.contract('a,bc->bca', t44, t45, optimize=[(0, 1)])
     return out
 
 
@@ -23883,19 +24349,21 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
     t20 = W_O.transpose(-1, -2)
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,hj->faij', t21, M_2, X, t11, t13, dA19, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh->ahcd', t21, M_2, t11, t13, dA19, t20, optimize=[(0, 1), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,abd->cdab', X, M_1, optimize=[(0, 1)])
     F = t15
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t13 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G @ t20
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t29 = oe.contract('abc,abd->cdab', X, t27, optimize=[(0, 1)])
-    t30 = oe.contract('ab,cdeb->aecd', t28, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = G @ t20
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t31 = oe.contract('abc,abd->cdab', X, t29, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cdeb->aecd', t30, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -23984,7 +24452,6 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = oe.contract('ab,cdeb,ef,fg,cdg,cdgh->ahcd', t20, M_2, W_V, W_O, t12, dA19, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
     t22 = oe.contract('abc,abd->cdab', X, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     F = t15
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -23995,6 +24462,7 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t29 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
     t30 = oe.contract('ab,cdeb,ef->afcd', t28, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -24084,7 +24552,6 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = oe.contract('ab,cdb,cde,ea->acd', t22, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     F = t16
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -24101,7 +24568,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
     t34 = (1/(d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t34, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t35 = oe.contract('ab,cbd,cde,ea->acd', t34, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -24166,9 +24636,8 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
+    t1 = W_Q.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
     t3 = W_K.transpose(-1, -2)
     t4 = t3 @ t2
@@ -24199,35 +24668,43 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = G @ t24
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
-    t28 = t27.transpose(-1, -2)
-    t29 = t28 @ X
-    t30 = t2 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t1 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
-    t34 = torch.eye(L, dtype=X.dtype, device=X.device)
+    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t34, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = oe.contract('abc,cd->abcd', t27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t35 = (1/(d_K*n_batch)) * t33
-    t36 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t37 = oe.contract('ab,cbd,cde->aecd', t35, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t30 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t31 = oe.contract('ab,cbd,cde->aecd', t29, t2, X, optimize=[(0, 1), (0, 1)])
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t34, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t38 = W_V @ W_O
-    t39 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A40 = t39 / t39.sum(-1, keepdim=True)
-    t41 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t32 = W_V @ W_O
+    t33 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA42 = oe.contract('abc,cd->abcd', A40, t41, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A40, A40, optimize=[(0, 1)])
-    t43 = t38.transpose(-1, -2)
-    t44 = (1/(L*d_K*n_batch)) * t33
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t44, M_2, X, t38, t12, dA42, t43, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    dA36 = oe.contract('abc,cd->abcd', A34, t35, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A34, A34, optimize=[(0, 1)])
+    t37 = t32.transpose(-1, -2)
+    t38 = (1/(L*d_K*n_batch)) * t1
+    t39 = oe.contract('ab,cdea,fe,cdgf,cdg,hg,cdhi->ibcd', W_K, M_2, t37, dA36, t12, t32, M_2, optimize=[(0, 1), (0, 1), (3, 4), (1, 2), (0, 1), (0, 1)])
+    t40 = oe.contract('ab,cdb,cde->aecd', t38, X, X, optimize=[(0, 1), (0, 1)])
+    t41 = t0.diagonal(0, 1, 3)
+    t42 = t27.transpose(-1, -2)
+    t43 = t42 @ X
+    t44 = t2 @ t43
+    t45 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t47 = oe.contract('abc->bc', t44, optimize=[(0,)])
+    t48 = t30.reshape(*t30.shape[:2], -1)
+    t49 = t39.reshape(*t39.shape[:2], -1)
+    t50 = torch.cat([t48, t49], dim=-1)
+    t51 = t31.reshape(*t31.shape[:2], -1)
+    t52 = t40.reshape(*t40.shape[:2], -1)
+    t53 = torch.cat([t51, t52], dim=-1)
+    t0[...] = oe.contract('abg,efg->aefb', t50, t53, optimize=[(0, 1)])
+    t41 += oe.contract('a,bc->bca', t46, t47, optimize=[(0, 1)])
     return out
 
 
@@ -24333,7 +24810,6 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = oe.contract('ab,cdb,cde,ef->afcd', t22, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, t12, t14, dA20, t21, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     F = t16
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -24352,7 +24828,13 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = (1/(d_K*n_batch)) * t1
     t35 = oe.contract('ab,cbd,cde,ef->afcd', t34, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     t36 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = t23.reshape(*t23.shape[:2], -1)
+    t38 = t35.reshape(*t35.shape[:2], -1)
+    t39 = torch.cat([t37, t38], dim=-1)
+    t40 = t24.reshape(*t24.shape[:2], -1)
+    t41 = t36.reshape(*t36.shape[:2], -1)
+    t42 = torch.cat([t40, t41], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t39, t42, optimize=[(0, 1)])
     return out
 
 
@@ -24449,19 +24931,21 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = W_O.transpose(-1, -2)
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,hj->faij', t22, M_2, X, t12, t14, dA20, M_1, t21, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdea,cde,fe,cdfg->gbcd', t21, dA20, t14, t12, M_2, optimize=[(0, 1), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cde->aecd', t22, X, M_1, optimize=[(0, 1), (0, 1)])
     F = t16
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t14 * A24
-    t26 = t25 - Y
-    t27 = (1/L) * t26
-    G = t27
-    t28 = G @ t21
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, t28, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t14 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = G @ t21
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t32 = oe.contract('ab,cdb,cde->aecd', t31, X, t30, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -24550,18 +25034,20 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,gh,cdh,cdhi,cdj->faji', t21, M_2, X, W_V, W_O, t13, dA20, t15, optimize=[(5, 6), (0, 2), (1, 2), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,ef,abf,abfg->dgab', M_2, W_V, W_O, t13, dA20, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t23 = oe.contract('ab,cdb,cde->aecd', t21, X, t15, optimize=[(0, 1), (0, 1)])
     F = t16
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t13 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -24725,7 +25211,6 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t24 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
     t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     t26 = M_1.transpose(-1, -2)
     t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
@@ -24738,6 +25223,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t35 = oe.contract('ab,cdb,cdbe,ef,cdfg,gh->ahcd', W_O, t2, dA30, t33, M_2, W_K, optimize=[(1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
     t36 = oe.contract('abc,acd->bdac', t34, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
     return out
 
@@ -24835,7 +25321,6 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
     t25 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     t26 = M_1.transpose(-1, -2)
     t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
@@ -24848,6 +25333,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t35 = oe.contract('abc,acd,de->beac', t34, X, W_Q, optimize=[(1, 2), (0, 1)])
     t36 = oe.contract('ab,cdb,cdbe,ef,cdfg->agcd', W_O, t2, dA30, t33, M_2, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
     return out
 
@@ -25011,7 +25497,6 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*n_batch)) * t11
     t20 = oe.contract('ab,cdb,cdbe->aecd', W_O, t13, dA, optimize=[(1, 2), (0, 1)])
     t21 = oe.contract('abc,acd->bdac', t19, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = t0.diagonal(0, 1, 2)
     F = t15
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -25023,6 +25508,7 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t29 = (1/n_batch) * t28
     t30 = oe.contract('abc,acd->bd', t11, G, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
     return out
 
@@ -25182,18 +25668,20 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t23, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = t13.transpose(-1, -2)
-    t25 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t24 = oe.contract('ab,cdbe,ef->afcd', t21, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t26 = t13.transpose(-1, -2)
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t29 = W_O.transpose(-1, -2)
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t31 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t2, dA28, t29, t21, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
+    t31 = W_O.transpose(-1, -2)
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t33 = oe.contract('abc,abcd,de,ef,abfg,gh->chab', t2, dA30, t31, t21, M_2, W_K, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -25288,7 +25776,6 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
     t25 = oe.contract('ab,cdbe->aecd', t21, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     t26 = t13.transpose(-1, -2)
     t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
@@ -25299,6 +25786,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = oe.contract('abc,acd,de->beac', t32, X, W_Q, optimize=[(1, 2), (0, 1)])
     t34 = oe.contract('abc,abcd,de,ef,abfg->cgab', t2, dA30, t31, t21, M_2, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
@@ -25360,48 +25848,50 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_H*d_V, d_H*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_H, d_V, d_V, d_H))
-    t1 = t0.diagonal(0, 0, 3)
-    t2 = Y.sum(-1, keepdim=True)
-    t3 = t2.expand(*t2.shape[:-1], d_V)
-    t4 = W_K.transpose(-1, -2)
-    t5 = X.transpose(-1, -2)
-    t6 = t4 @ t5
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    t10 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t11 = torch.where(t10, -math.inf, t9)
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = t14 @ W_O
-    F = t15
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t3 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = t21 @ M_1
-    t23 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t24 = (1/n_batch) * t23
-    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
-    t25 = t14.transpose(-1, -2)
-    t26 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t1 = W_V.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1.transpose(-1, -2)
+    t13 = t1 @ t12
+    t14 = Y.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = t13.transpose(-1, -2)
+    t17 = t16 @ W_O
+    t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
-    t29 = W_O.transpose(-1, -2)
-    t30 = (1/(L*n_batch)) * t25
-    t31 = oe.contract('ab,cdea,cde->ebcd', t29, dA, t3, optimize=[(0, 1), (0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t30, M_1, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
+    t21 = W_O.transpose(-1, -2)
+    t22 = (1/(L*n_batch)) * t13
+    t23 = oe.contract('ab,cdea,cde->ebcd', t21, dA, t15, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t22, M_1, optimize=[(0, 1)])
+    t25 = t0.diagonal(0, 0, 3)
+    F = t17
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t15 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = t31 @ M_1
+    t33 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t34 = (1/n_batch) * t33
+    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -25483,7 +25973,9 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
     t21 = (1/(L*n_batch)) * t13
-    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t21, t15, dA, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abcd->cdab', t15, dA, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
