@@ -71,6 +71,9 @@ class Layout:
 
 
 # ----------------------------------------------------------------------------- analysis
+SMALL_TERMS = 8
+
+
 def lower_jacobian(low, p):
     """(terms, row labels, column labels) of ∂vec_r F/∂vec_r W_p, lowered once per variant."""
     cache = low.__dict__.setdefault("_jacobian_terms", {})
@@ -78,7 +81,10 @@ def lower_jacobian(low, p):
         lw, d = low.lw, low.d
         r = [lab for n in d.F.shape for lab in lw.labels.fresh(n)]
         c = [lab for n in d.param(p).shape for lab in lw.labels.fresh(n)]
-        cache[p] = (lw.lower(d.jacobian(p), r, c), r, c)
+        J = d.jacobian(p)
+        # a Jacobian with a few terms is written term by term (one elementwise pass each)
+        terms = lw.lower_small(J, r, c, SMALL_TERMS)
+        cache[p] = (terms if terms is not None else lw.lower(J, r, c), r, c)
     return cache[p]
 
 

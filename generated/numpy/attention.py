@@ -3578,48 +3578,44 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
-    A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t9 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t10 = (1/math.sqrt(d_K)) * t0
-    t9[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t2 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t9, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t10, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
-    A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J9 = (1/math.sqrt(d_K)) * X
-    return (J, J9, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t2 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t9, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t10, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -3630,48 +3626,44 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
-    A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t9 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t10 = (1/math.sqrt(d_K)) * t0
-    t9[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t10, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t9, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t10, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
-    A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J9 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J9, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t2 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t9, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t10, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -7452,52 +7444,48 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t8 = np.where(t7, -math.inf, t6)
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t11 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t12 = (1/math.sqrt(d_K)) * t0
-    t11[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t2 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t9 = np.where(t8, -math.inf, t7)
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t8 = np.where(t7, -math.inf, t6)
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J11 = (1/math.sqrt(d_K)) * X
-    return (J, J11, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t2 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t9 = np.where(t8, -math.inf, t7)
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -7508,52 +7496,48 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t8 = np.where(t7, -math.inf, t6)
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t11 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t12 = (1/math.sqrt(d_K)) * t0
-    t11[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t12, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t9 = np.where(t8, -math.inf, t7)
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = np.swapaxes(W_K, -1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t8 = np.where(t7, -math.inf, t6)
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J11 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J11, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t2 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t3 = np.swapaxes(W_K, -1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t9 = np.where(t8, -math.inf, t7)
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -16290,10 +16274,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): mse_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -16393,10 +16377,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): mse_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -16496,10 +16480,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): ce_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -16599,10 +16583,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): ce_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},

@@ -1577,40 +1577,35 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = W_QK @ t1
-    t3 = X @ t2
-    t4 = np.exp(t3 - t3.max(-1, keepdims=True))
-    A = t4 / t4.sum(-1, keepdims=True)
-    t5 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
-    t6 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
-    t6[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    t2 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t3 = W_QK @ t1
+    t4 = X @ t3
+    t5 = np.exp(t4 - t4.max(-1, keepdims=True))
+    A = t5 / t5.sum(-1, keepdims=True)
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t6 = -A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t6, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
-    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = W_QK @ t1
-    t3 = X @ t2
-    t4 = np.exp(t3 - t3.max(-1, keepdims=True))
-    A = t4 / t4.sum(-1, keepdims=True)
-    t5 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J6 = X
-    return (J, J6, )
+    J = np.empty((n_batch, L, d_V, d_V, d_V,), dtype=X.dtype)
+    t2 = np.reshape(J, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t3 = W_QK @ t1
+    t4 = X @ t3
+    t5 = np.exp(t4 - t4.max(-1, keepdims=True))
+    A = t5 / t5.sum(-1, keepdims=True)
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t6 = -A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t6, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_V(X, W_QK, W_V):
@@ -3300,44 +3295,39 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = W_QK @ t1
-    t3 = X @ t2
-    t4 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t5 = np.where(t4, -math.inf, t3)
-    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
-    A = t6 / t6.sum(-1, keepdims=True)
-    t7 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
-    t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
-    t8[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    t2 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t3 = W_QK @ t1
+    t4 = X @ t3
+    t5 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t6 = np.where(t5, -math.inf, t4)
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t8 = -A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t8, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
-    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = np.swapaxes(W_V, -1, -2)
     t1 = np.swapaxes(X, -1, -2)
-    t2 = W_QK @ t1
-    t3 = X @ t2
-    t4 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t5 = np.where(t4, -math.inf, t3)
-    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
-    A = t6 / t6.sum(-1, keepdims=True)
-    t7 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J8 = X
-    return (J, J8, )
+    J = np.empty((n_batch, L, d_V, d_V, d_V,), dtype=X.dtype)
+    t2 = np.reshape(J, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t3 = W_QK @ t1
+    t4 = X @ t3
+    t5 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t6 = np.where(t5, -math.inf, t4)
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t8 = -A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t8, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_V(X, W_QK, W_V):
@@ -7297,7 +7287,7 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): mse_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
-        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -7356,7 +7346,7 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): mse_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
-        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -7415,7 +7405,7 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): ce_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
-        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -7474,7 +7464,7 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): ce_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
-        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},

@@ -6017,27 +6017,24 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t11 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t12 = (1/math.sqrt(d_K)) * t2
-    t11[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t4 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -6047,21 +6044,20 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t2, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J11 = (1/math.sqrt(d_K)) * X
-    return (J, J11, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t4 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
@@ -6075,27 +6071,24 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t11 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t12 = (1/math.sqrt(d_K)) * t2
-    t11[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t12, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t4 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -6105,21 +6098,20 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t2, M_2, optimize=[(0, 1)])
-    J11 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J11, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t4 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
@@ -12494,29 +12486,26 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t10 = np.where(t9, -math.inf, t8)
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t13 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t14 = (1/math.sqrt(d_K)) * t2
-    t13[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t4 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t11 = np.where(t10, -math.inf, t9)
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A = t12 / t12.sum(-1, keepdims=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t13, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t14, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -12526,23 +12515,22 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t10 = np.where(t9, -math.inf, t8)
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t2, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J13 = (1/math.sqrt(d_K)) * X
-    return (J, J13, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t4 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t11 = np.where(t10, -math.inf, t9)
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A = t12 / t12.sum(-1, keepdims=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t13, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t14, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
@@ -12556,29 +12544,26 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t10 = np.where(t9, -math.inf, t8)
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
-    t13 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
-    t14 = (1/math.sqrt(d_K)) * t2
-    t13[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t14, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t4 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t11 = np.where(t10, -math.inf, t9)
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A = t12 / t12.sum(-1, keepdims=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t13, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t14, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -12588,23 +12573,22 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = np.swapaxes(W_V, -1, -2)
     t2 = t0 @ t1
     t3 = np.swapaxes(X, -1, -2)
-    t4 = np.swapaxes(W_K, -1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = np.triu(np.ones((L, L), dtype=bool), 1)
-    t10 = np.where(t9, -math.inf, t8)
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = np.eye(L, dtype=X.dtype)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t2, M_2, optimize=[(0, 1)])
-    J13 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J13, )
+    J = np.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype)
+    t4 = np.reshape(J, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t5 = np.swapaxes(W_K, -1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t11 = np.where(t10, -math.inf, t9)
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A = t12 / t12.sum(-1, keepdims=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t13, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t14, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
@@ -27015,10 +26999,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): mse_causal0__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
@@ -27176,10 +27160,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): mse_causal1__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
@@ -27337,10 +27321,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): ce_causal0__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
@@ -27498,10 +27482,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): ce_causal1__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},

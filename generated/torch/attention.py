@@ -3577,48 +3577,44 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t9 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t10 = (1/math.sqrt(d_K)) * t0
-    t9[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t2 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t9, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t10, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J9 = (1/math.sqrt(d_K)) * X
-    return (J, J9, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t2 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t9, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t10, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -3629,48 +3625,44 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t9 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t10 = (1/math.sqrt(d_K)) * t0
-    t9[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t10, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t9, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t10, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J9 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J9, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t2 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t9, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t10, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -7451,52 +7443,48 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t11 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t12 = (1/math.sqrt(d_K)) * t0
-    t11[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t2 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J11 = (1/math.sqrt(d_K)) * X
-    return (J, J11, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t2 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t0, t1, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t0, t1, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -7507,52 +7495,48 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t11 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t12 = (1/math.sqrt(d_K)) * t0
-    t11[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t12, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J11 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J11, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t2 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t0, t1, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t0, t1, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -16289,10 +16273,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): mse_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -16392,10 +16376,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): mse_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -16495,10 +16479,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): ce_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
@@ -16598,10 +16582,10 @@ VARIANTS = {
         ('frobenius_split', 'W_V', 'W_V'): ce_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},

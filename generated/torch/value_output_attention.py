@@ -6016,27 +6016,24 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t11 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t12 = (1/math.sqrt(d_K)) * t2
-    t11[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t4 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -6046,21 +6043,20 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t2, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J11 = (1/math.sqrt(d_K)) * X
-    return (J, J11, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t4 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t11, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t12, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
@@ -6074,27 +6070,24 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t11 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t12 = (1/math.sqrt(d_K)) * t2
-    t11[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t12, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t4 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -6104,21 +6097,20 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t2, M_2, optimize=[(0, 1)])
-    J11 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J11, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t4 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t11, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t12 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t12, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
@@ -12493,29 +12485,26 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t10 = torch.where(t9, -math.inf, t8)
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t13 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t14 = (1/math.sqrt(d_K)) * t2
-    t13[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t4 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t11 = torch.where(t10, -math.inf, t9)
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t13, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t14, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -12525,23 +12514,22 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t10 = torch.where(t9, -math.inf, t8)
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe,ef->cdaf', t2, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J13 = (1/math.sqrt(d_K)) * X
-    return (J, J13, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t4 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t11 = torch.where(t10, -math.inf, t9)
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,fh->ceagh', t2, t3, t13, X, X, W_K, optimize=[(0, 1), (1, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,gi->ceahi', t2, t3, t14, A, X, X, W_K, optimize=[(0, 1), (2, 4), (0, 3), (0, 2), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
@@ -12555,29 +12543,26 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t10 = torch.where(t9, -math.inf, t8)
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t13 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t14 = (1/math.sqrt(d_K)) * t2
-    t13[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t14, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t4 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t11 = torch.where(t10, -math.inf, t9)
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t13, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t14, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
 def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
-    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2, 3),); per sequence."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
@@ -12587,23 +12572,22 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t1 = W_V.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = X.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t3
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t10 = torch.where(t9, -math.inf, t8)
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    J = oe.contract('ab,cdbe->cdae', t2, M_2, optimize=[(0, 1)])
-    J13 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J13, )
+    J = torch.empty((n_batch, L, d_V, d_V, d_K,), dtype=X.dtype, device=X.device)
+    t4 = J.view((n_batch, L, d_V, d_V, d_K,))
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t3
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t11 = torch.where(t10, -math.inf, t9)
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = (1/math.sqrt(d_K)) * A
+    t4[...] = oe.contract('ab,cbd,ced,cdf,ceg,gh->ceafh', t2, t3, t13, X, X, W_Q, optimize=[(0, 1), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t14 = (-1/math.sqrt(d_K)) * A
+    t4 += oe.contract('ab,cbd,ced,cef,cfg,ceh,hi->ceagi', t2, t3, t14, A, X, X, W_Q, optimize=[(0, 1), (3, 4), (1, 2), (0, 1), (0, 1), (0, 1)])
+    return (J,)
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
@@ -27014,10 +26998,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): mse_causal0__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
@@ -27175,10 +27159,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): mse_causal1__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
@@ -27336,10 +27320,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): ce_causal0__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal0__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal0__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
@@ -27497,10 +27481,10 @@ VARIANTS = {
         ('frobenius_split', 'W_O', 'W_O'): ce_causal1__frobenius_split__W_O__W_O,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
-        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_K'): causal1__jacobian__W_K,
         ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
-        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2, 3),)},
         ('jacobian', 'W_V'): causal1__jacobian__W_V,
         ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
         ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},

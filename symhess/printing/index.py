@@ -94,6 +94,7 @@ class Lowering:
         self.labels = labels or Labels()
         self.compact = compact
         self.intermediates = {}   # Named node -> Intermediate or None (inline)
+        self.budget = None        # distribute every sum, up to this many terms (lower_small)
 
     # -- label algebra ---------------------------------------------------------------
     def resolve(self, term, labels):
@@ -188,7 +189,26 @@ class Lowering:
         terms = [t]
         for e, r, c in parts:
             terms = [out for s in terms for out in self._lower(e, r, c, s)]
+            if self.budget is not None and len(terms) > self.budget:
+                raise _OverBudget
         return terms
+
+    def lower_small(self, expr, rows, cols, max_terms):
+        """Every sum distributed (each term one plain network) when that gives at most
+        ``max_terms`` terms, else None: a few elementwise terms beat a compact factor that
+        must then be multiplied out (e.g. a LayerNorm Jacobian times I − 11ᵀ/d)."""
+        self.budget = max_terms
+        try:
+            terms = self.lower(expr, rows, cols)
+        except _OverBudget:
+            return None
+        finally:
+            self.budget = None
+        return terms if len(terms) <= max_terms else None
+
+
+class _OverBudget(Exception):
+    """Distributing the sums would give more terms than ``Lowering.budget``."""
 
 
 _LEAF = {}
@@ -221,6 +241,8 @@ def _scale(lw, n, rows, cols, t):
 def _add(lw, n, rows, cols, t):
     """A + B: common outer factors pulled out (P A Q + P B Q = P (A + B) Q), then one compact
     factor when the remaining sum collapses, else the terms of both."""
+    if lw.budget is not None:
+        return _add_terms(lw, n, rows, cols, t)
     f = factored(n)
     if not f == n:
         return lw._lower(f, rows, cols, t)
@@ -535,7 +557,7 @@ class Intermediate:
 @_rule(E.Named)
 def _named(lw, n, rows, cols, t):
     """Compact block-diagonal names (M_2 as L×d×d); inline the others."""
-    inter = lw.intermediate(n)
+    inter = lw.intermediate(n) if lw.budget is None else None
     if inter is None:
         return lw._lower(n.inner, rows, cols, t)
     return _use_intermediate(lw, n, inter, rows, cols, t)
@@ -556,7 +578,7 @@ def _compactable(lw, n, rows, cols, t, rule):
     """A multi-term node (a sum, ∂A/∂T, ∂²A/∂T²[E]) kept as one compact factor when its terms
     share identifications (a block-diagonal sum stays an L×d×d tensor instead of being
     distributed through every product it sits in); otherwise its terms, via ``rule``."""
-    inter = lw.intermediate(n)
+    inter = lw.intermediate(n) if lw.budget is None else None
     if inter is None:
         return rule(lw, n, rows, cols, t)
     return _use_intermediate(lw, n, inter, rows, cols, t)
@@ -578,6 +600,13 @@ def _merge_sizes(a, b):
         else:
             return None
     return out if not (a or b) else None
+
+
+def _constant(ref):
+    """An operand that is all ones or a delta (no data in it)."""
+    if isinstance(ref, tuple):
+        return ref[0] in ("ones", "eye")
+    return isinstance(ref, (E.Ones, E.Identity))
 
 
 def _inner_terms(lw, n, rows, cols):
@@ -622,6 +651,8 @@ def _intermediate(lw, n):
         return None
     if any(len(sr) != len(new_r) or len(sc) != len(new_c) for sr, sc in sizes):
         return None
+    if all(_constant(f.ref) for t in terms for f in t.factors):
+        return None          # only deltas and ones (I − 11ᵀ/d): cheaper applied term by term
     n_row = len(new_r)
     positions = [ra + ca for ra, ca in atoms]
     keys = [tuple(p[k] for p in positions) for k in range(len(positions[0]))]
