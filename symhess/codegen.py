@@ -122,6 +122,8 @@ class Lowered:
 # this many terms (LayerNorm blocks have up to ~170) the block is built densely in a
 # temporary and its norm taken instead: still exact, cost and memory of one dense block
 PAIRWISE_MAX_TERMS = 16
+# frobenius_split is the experiments' route (no dense block wanted): pairwise up to this many
+SPLIT_PAIRWISE_MAX_TERMS = 64
 
 
 class Variant:
@@ -298,7 +300,7 @@ class Variant:
         rt = self.routine()
         sq = {}
         parts = {part: self.low.terms(p, q, part) for part in ("outer", "functional")}
-        if any(len(t) > PAIRWISE_MAX_TERMS for t, _, _ in parts.values()):
+        if any(len(t) > SPLIT_PAIRWISE_MAX_TERMS for t, _, _ in parts.values()):
             return self._frobenius_split_dense(rt, p, q, parts)
         for a, b in (("outer", "outer"), ("functional", "functional"), ("outer", "functional")):
             (ta, r, c), (tb, r2, c2) = parts[a], parts[b]

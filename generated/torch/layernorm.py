@@ -115,11 +115,10 @@ def mse__hessian__outer(X, Y):
     S16 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t13, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S17 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t15, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = (-1/d_V) * t13
-    t19 = oe.contract('abc,acd->bad', S16, S17, optimize=[(0, 1)])
-    t20 = oe.contract('ab->ba', t18, optimize=[(0,)])
-    t2 += oe.contract('abc,acd->bda', S16, S17, optimize=[(0, 1)])
-    t2 += oe.contract('abc,dc->adb', t19, t20, optimize=[(0, 1)])
+    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = oe.contract('ab,c->cab', t12, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t18, optimize=[(0, 1)])
+    t2 += oe.contract('abc,acd,ade->bea', S16, S17, S19, optimize=[(0, 1), (0, 1)])
     return H
 
 
@@ -195,9 +194,12 @@ def mse__frobenius_all__outer(X, Y):
     S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd,abe,aed->', S13, S14, S13, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V) * oe.contract('abc,acd,abe,aef,fd->', S13, S14, S13, S14, t10, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)]) + (d_V**(-2)) * oe.contract('abc,acd,de,abf,afg,ge->', S13, S14, t10, S13, S14, t10, optimize=[(0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16,)
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18,)
 
 
 def mse__diag__X__outer(X, Y):
@@ -229,9 +231,10 @@ def mse__diag__X__outer(X, Y):
     S14 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t11, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S15 = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t13, t11, M_Z, optimize=[(0, 1), (0, 1)])
-    t16 = (-1/d_V) * t11
-    t0[...] = oe.contract('abc,acb->ab', S14, S15, optimize=[(0, 1)])
-    t0 += oe.contract('abc,acd,db->ab', S14, S15, t16, optimize=[(0, 1), (0, 1)])
+    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S17 = oe.contract('ab,c->cab', t10, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t11, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,acd,adb->ab', S14, S15, S17, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -262,7 +265,10 @@ def mse__trace__X__outer(X, Y):
     S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    return oe.contract('abc,acb->', S13, S14, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('abc,acd,db->', S13, S14, t10, optimize=[(0, 1), (0, 1)])
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    return oe.contract('abc,acd,adb->', S13, S14, S16, optimize=[(0, 1), (0, 1)])
 
 
 def mse__block__X__X__outer(X, Y):
@@ -296,11 +302,10 @@ def mse__block__X__X__outer(X, Y):
     S15 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t12, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t14, t12, M_Z, optimize=[(0, 1), (0, 1)])
-    t17 = (-1/d_V) * t12
-    t18 = oe.contract('abc,acd->bad', S15, S16, optimize=[(0, 1)])
-    t19 = oe.contract('ab->ba', t17, optimize=[(0,)])
-    t1 += oe.contract('abc,acd->bda', S15, S16, optimize=[(0, 1)])
-    t1 += oe.contract('abc,dc->adb', t18, t19, optimize=[(0, 1)])
+    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S18 = oe.contract('ab,c->cab', t11, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t12, t17, optimize=[(0, 1)])
+    t1 += oe.contract('abc,acd,ade->bea', S15, S16, S18, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -331,9 +336,12 @@ def mse__frobenius__X__X__outer(X, Y):
     S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd,abe,aed->', S13, S14, S13, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V) * oe.contract('abc,acd,abe,aef,fd->', S13, S14, S13, S14, t10, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)]) + (d_V**(-2)) * oe.contract('abc,acd,de,abf,afg,ge->', S13, S14, t10, S13, S14, t10, optimize=[(0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse__hessian__functional(X, Y):
@@ -379,11 +387,11 @@ def mse__hessian__functional(X, Y):
     S24 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S24, optimize=[(0, 1)])
-    t26 = (-1/(d_V*n_batch)) * t21
-    t27 = oe.contract('abcd->cbd', S25, optimize=[(0,)])
-    t28 = oe.contract('ab->ba', t26, optimize=[(0,)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S25, optimize=[(0,)])
-    t2 += oe.contract('abc,dc->adb', t27, t28, optimize=[(0, 1)])
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('ab,c->cab', t19, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t26, optimize=[(0, 1)])
+    t28 = (1/n_batch) * S27
+    t2 += oe.contract('abcd,bde->ceb', S25, t28, optimize=[(0, 1)])
     return H
 
 
@@ -480,9 +488,12 @@ def mse__frobenius_all__functional(X, Y):
     S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S22, S22, t18, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S22, t18, S22, t18, optimize=[(1, 3), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24,)
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -525,9 +536,11 @@ def mse__diag__X__functional(X, Y):
     S22 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S22, optimize=[(0, 1)])
-    t24 = (-1/(d_V*n_batch)) * t19
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S23, optimize=[(0,)])
-    t0 += oe.contract('abcd,dc->bc', S23, t24, optimize=[(0, 1)])
+    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
+    t26 = (1/n_batch) * S25
+    t0[...] = oe.contract('abcd,bdc->bc', S23, t26, optimize=[(0, 1)])
     return out
 
 
@@ -569,7 +582,10 @@ def mse__trace__X__functional(X, Y):
     S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S22, optimize=[(0,)]) + (-1/(d_V*n_batch)) * oe.contract('abcd,dc->', S22, t18, optimize=[(0, 1)])
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S22, S24, optimize=[(0, 1)])
 
 
 def mse__block__X__X__functional(X, Y):
@@ -614,11 +630,11 @@ def mse__block__X__X__functional(X, Y):
     S23 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S23, optimize=[(0, 1)])
-    t25 = (-1/(d_V*n_batch)) * t20
-    t26 = oe.contract('abcd->cbd', S24, optimize=[(0,)])
-    t27 = oe.contract('ab->ba', t25, optimize=[(0,)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S24, optimize=[(0,)])
-    t1 += oe.contract('abc,dc->adb', t26, t27, optimize=[(0, 1)])
+    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('ab,c->cab', t18, t25, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t25, optimize=[(0, 1)])
+    t27 = (1/n_batch) * S26
+    t1 += oe.contract('abcd,bde->ceb', S24, t27, optimize=[(0, 1)])
     return out
 
 
@@ -660,9 +676,12 @@ def mse__frobenius__X__X__functional(X, Y):
     S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S22, S22, t18, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S22, t18, S22, t18, optimize=[(1, 3), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def mse__hessian__full(X, Y):
@@ -713,11 +732,11 @@ def mse__hessian__full(X, Y):
     S27 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t21, t24, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t21, t24, S25, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S25, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S26, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t21, S27, S25, optimize=[(0, 1), (0, 1)])
-    t29 = (-1/(d_V*n_batch)) * t21
-    t30 = oe.contract('abcd->cbd', S28, optimize=[(0,)])
-    t31 = oe.contract('ab->ba', t29, optimize=[(0,)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S28, optimize=[(0,)])
-    t2 += oe.contract('abc,dc->adb', t30, t31, optimize=[(0, 1)])
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = oe.contract('ab,c->cab', t19, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t29, optimize=[(0, 1)])
+    t31 = (1/n_batch) * S30
+    t2 += oe.contract('abcd,bde->ceb', S28, t31, optimize=[(0, 1)])
     return H
 
 
@@ -830,9 +849,12 @@ def mse__frobenius_all__full(X, Y):
     S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S25, S25, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S25, S25, t18, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S25, t18, S25, t18, optimize=[(1, 3), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27,)
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29,)
 
 
 def mse__diag__X__full(X, Y):
@@ -880,9 +902,11 @@ def mse__diag__X__full(X, Y):
     S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
-    t27 = (-1/(d_V*n_batch)) * t19
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S26, optimize=[(0,)])
-    t0 += oe.contract('abcd,dc->bc', S26, t27, optimize=[(0, 1)])
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
+    t29 = (1/n_batch) * S28
+    t0[...] = oe.contract('abcd,bdc->bc', S26, t29, optimize=[(0, 1)])
     return out
 
 
@@ -929,7 +953,10 @@ def mse__trace__X__full(X, Y):
     S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S25, optimize=[(0,)]) + (-1/(d_V*n_batch)) * oe.contract('abcd,dc->', S25, t18, optimize=[(0, 1)])
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S25, S27, optimize=[(0, 1)])
 
 
 def mse__block__X__X__full(X, Y):
@@ -979,11 +1006,11 @@ def mse__block__X__X__full(X, Y):
     S26 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t20, t23, S24, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S24, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S25, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t20, S26, S24, optimize=[(0, 1), (0, 1)])
-    t28 = (-1/(d_V*n_batch)) * t20
-    t29 = oe.contract('abcd->cbd', S27, optimize=[(0,)])
-    t30 = oe.contract('ab->ba', t28, optimize=[(0,)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S27, optimize=[(0,)])
-    t1 += oe.contract('abc,dc->adb', t29, t30, optimize=[(0, 1)])
+    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = oe.contract('ab,c->cab', t18, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t28, optimize=[(0, 1)])
+    t30 = (1/n_batch) * S29
+    t1 += oe.contract('abcd,bde->ceb', S27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1030,9 +1057,12 @@ def mse__frobenius__X__X__full(X, Y):
     S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S25, S25, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S25, S25, t18, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S25, t18, S25, t18, optimize=[(1, 3), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1062,32 +1092,35 @@ def mse__frobenius_split__X__X(X, Y):
     S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd,abe,aed->', S13, S14, S13, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V) * oe.contract('abc,acd,abe,aef,fd->', S13, S14, S13, S14, t10, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)]) + (d_V**(-2)) * oe.contract('abc,acd,de,abf,afg,ge->', S13, S14, t10, S13, S14, t10, optimize=[(0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = M_Z * P_Z
-    Z = t16
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t18 = M_Z * P_Z
+    Z = t18
     F = Z
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = t11 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t22 = t11 * G
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t11 * G * M_Z
+    t22 = t21.sum(-1, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-1], d_V)
+    t24 = t11 * G
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t22, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t10, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S25, optimize=[(0, 1), (0, 1)])
+    S28 = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S25, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S26, optimize=[(0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S27, S27, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S27, S27, t10, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S27, t10, S27, t10, optimize=[(1, 3), (0, 2), (0, 1)])
-    t29 = (2/n_batch) * oe.contract('abc,acd,eabd->', S13, S14, S27, optimize=[(0, 1), (0, 1)]) + (-2/(d_V*n_batch)) * oe.contract('abc,acd,eabf,fd->', S13, S14, S27, t10, optimize=[(0, 1), (1, 2), (0, 1)]) + (-2/(d_V*n_batch)) * oe.contract('abc,acd,de,fabe->', S13, S14, t10, S27, optimize=[(0, 1), (0, 2), (0, 1)]) + (2/(d_V**2*n_batch)) * oe.contract('abc,acd,de,fabg,ge->', S13, S14, t10, S27, t10, optimize=[(0, 3), (0, 3), (0, 1), (0, 1)])
-    t30 = t15 + t28 + t29
-    t31 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31, t32, t33,)
+    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S28, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S29, S16, S29, S16, optimize=[(0, 1), (1, 2), (0, 1)])
+    t31 = (2/n_batch) * oe.contract('abc,acd,ade,fabg,age->', S13, S14, S16, S29, S16, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
+    t32 = t17 + t30 + t31
+    t33 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, t34, t35,)
 
 
 def jacobian__X(X):
@@ -1276,10 +1309,11 @@ def ce__hessian__outer(X, Y):
     t22 = t17 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t24 = (1/n_batch) * dA
-    t25 = (-1/(d_V*n_batch)) * t16
-    t2 += oe.contract('abcd,bde,bef->cfb', S19, t24, S23, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('abcd,bde,bef,fg->cgb', S19, dA, S23, t25, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = oe.contract('ab,c->cab', t15, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t24, optimize=[(0, 1)])
+    t26 = (1/n_batch) * dA
+    t2 += oe.contract('abcd,bde,bef,bfg->cgb', S19, t26, S23, S25, optimize=[(0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1373,9 +1407,12 @@ def ce__frobenius_all__outer(X, Y):
     t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,gbch,bhi,bif->', S16, dA, S20, S16, dA, S20, optimize=[(0, 3), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,bde,bef,gbch,bhi,bij,jf->', S16, dA, S20, S16, dA, S20, t13, optimize=[(0, 3), (0, 1), (0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,bde,bef,fg,hbci,bij,bjk,kg->', S16, dA, S20, t13, S16, dA, S20, t13, optimize=[(0, 4), (0, 1), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22,)
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24,)
 
 
 def ce__diag__X__outer(X, Y):
@@ -1417,10 +1454,11 @@ def ce__diag__X__outer(X, Y):
     t20 = t15 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S21 = oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t20, t14, M_Z, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * dA
-    t23 = (-1/(d_V*n_batch)) * t14
-    t0[...] = oe.contract('abcd,bde,bec->bc', S17, t22, S21, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcd,bde,bef,fc->bc', S17, dA, S21, t23, optimize=[(1, 2), (1, 2), (0, 1)])
+    t22 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('ab,c->cab', t13, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t22, optimize=[(0, 1)])
+    t24 = (1/n_batch) * dA
+    t0[...] = oe.contract('abcd,bde,bef,bfc->bc', S17, t24, S21, S23, optimize=[(1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1461,7 +1499,10 @@ def ce__trace__X__outer(X, Y):
     t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bde,bec->', S16, dA, S20, optimize=[(1, 2), (0, 1)]) + (-1/(d_V*n_batch)) * oe.contract('abcd,bde,bef,fc->', S16, dA, S20, t13, optimize=[(1, 2), (1, 2), (0, 1)])
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bde,bef,bfc->', S16, dA, S20, S22, optimize=[(1, 2), (1, 2), (0, 1)])
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1505,10 +1546,11 @@ def ce__block__X__X__outer(X, Y):
     t21 = t16 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t15, M_Z, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * dA
-    t24 = (-1/(d_V*n_batch)) * t15
-    t1 += oe.contract('abcd,bde,bef->cfb', S18, t23, S22, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('abcd,bde,bef,fg->cgb', S18, dA, S22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('ab,c->cab', t14, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t23, optimize=[(0, 1)])
+    t25 = (1/n_batch) * dA
+    t1 += oe.contract('abcd,bde,bef,bfg->cgb', S18, t25, S22, S24, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1549,9 +1591,12 @@ def ce__frobenius__X__X__outer(X, Y):
     t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,gbch,bhi,bif->', S16, dA, S20, S16, dA, S20, optimize=[(0, 3), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,bde,bef,gbch,bhi,bij,jf->', S16, dA, S20, S16, dA, S20, t13, optimize=[(0, 3), (0, 1), (0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,bde,bef,fg,hbci,bij,bjk,kg->', S16, dA, S20, t13, S16, dA, S20, t13, optimize=[(0, 4), (0, 1), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce__hessian__functional(X, Y):
@@ -1602,11 +1647,11 @@ def ce__hessian__functional(X, Y):
     S28 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S28, optimize=[(0, 1)])
-    t30 = (-1/(d_V*n_batch)) * t25
-    t31 = oe.contract('abcd->cbd', S29, optimize=[(0,)])
-    t32 = oe.contract('ab->ba', t30, optimize=[(0,)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S29, optimize=[(0,)])
-    t2 += oe.contract('abc,dc->adb', t31, t32, optimize=[(0, 1)])
+    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S31 = oe.contract('ab,c->cab', t23, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t30, optimize=[(0, 1)])
+    t32 = (1/n_batch) * S31
+    t2 += oe.contract('abcd,bde->ceb', S29, t32, optimize=[(0, 1)])
     return H
 
 
@@ -1713,9 +1758,12 @@ def ce__frobenius_all__functional(X, Y):
     S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S26, S26, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S26, S26, t22, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S26, t22, S26, t22, optimize=[(1, 3), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return (t28,)
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1763,9 +1811,11 @@ def ce__diag__X__functional(X, Y):
     S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
-    t28 = (-1/(d_V*n_batch)) * t23
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S27, optimize=[(0,)])
-    t0 += oe.contract('abcd,dc->bc', S27, t28, optimize=[(0, 1)])
+    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
+    t30 = (1/n_batch) * S29
+    t0[...] = oe.contract('abcd,bdc->bc', S27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1812,7 +1862,10 @@ def ce__trace__X__functional(X, Y):
     S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S26, optimize=[(0,)]) + (-1/(d_V*n_batch)) * oe.contract('abcd,dc->', S26, t22, optimize=[(0, 1)])
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S26, S28, optimize=[(0, 1)])
 
 
 def ce__block__X__X__functional(X, Y):
@@ -1862,11 +1915,11 @@ def ce__block__X__X__functional(X, Y):
     S27 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S27, optimize=[(0, 1)])
-    t29 = (-1/(d_V*n_batch)) * t24
-    t30 = oe.contract('abcd->cbd', S28, optimize=[(0,)])
-    t31 = oe.contract('ab->ba', t29, optimize=[(0,)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S28, optimize=[(0,)])
-    t1 += oe.contract('abc,dc->adb', t30, t31, optimize=[(0, 1)])
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = oe.contract('ab,c->cab', t22, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t29, optimize=[(0, 1)])
+    t31 = (1/n_batch) * S30
+    t1 += oe.contract('abcd,bde->ceb', S28, t31, optimize=[(0, 1)])
     return out
 
 
@@ -1913,9 +1966,12 @@ def ce__frobenius__X__X__functional(X, Y):
     S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S26, S26, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S26, S26, t22, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S26, t22, S26, t22, optimize=[(1, 3), (0, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce__hessian__full(X, Y):
@@ -1977,11 +2033,11 @@ def ce__hessian__full(X, Y):
     S35 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S36 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t26, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t25, t33, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t25, S34, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S35, optimize=[(0, 1)])
-    t37 = (-1/(d_V*n_batch)) * t25
-    t38 = oe.contract('abcd->cbd', S36, optimize=[(0,)])
-    t39 = oe.contract('ab->ba', t37, optimize=[(0,)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S36, optimize=[(0,)])
-    t2 += oe.contract('abc,dc->adb', t38, t39, optimize=[(0, 1)])
+    t37 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S38 = oe.contract('ab,c->cab', t23, t37, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t37, optimize=[(0, 1)])
+    t39 = (1/n_batch) * S38
+    t2 += oe.contract('abcd,bde->ceb', S36, t39, optimize=[(0, 1)])
     return H
 
 
@@ -2110,9 +2166,12 @@ def ce__frobenius_all__full(X, Y):
     S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S33, S33, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S33, S33, t22, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S33, t22, S33, t22, optimize=[(1, 3), (0, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t35,)
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return (t37,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2171,9 +2230,11 @@ def ce__diag__X__full(X, Y):
     S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
-    t35 = (-1/(d_V*n_batch)) * t23
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S34, optimize=[(0,)])
-    t0 += oe.contract('abcd,dc->bc', S34, t35, optimize=[(0, 1)])
+    t35 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
+    t37 = (1/n_batch) * S36
+    t0[...] = oe.contract('abcd,bdc->bc', S34, t37, optimize=[(0, 1)])
     return out
 
 
@@ -2231,7 +2292,10 @@ def ce__trace__X__full(X, Y):
     S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S33, optimize=[(0,)]) + (-1/(d_V*n_batch)) * oe.contract('abcd,dc->', S33, t22, optimize=[(0, 1)])
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S33, S35, optimize=[(0, 1)])
 
 
 def ce__block__X__X__full(X, Y):
@@ -2292,11 +2356,11 @@ def ce__block__X__X__full(X, Y):
     S34 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S35 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t25, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t24, t32, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t24, S33, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S34, optimize=[(0, 1)])
-    t36 = (-1/(d_V*n_batch)) * t24
-    t37 = oe.contract('abcd->cbd', S35, optimize=[(0,)])
-    t38 = oe.contract('ab->ba', t36, optimize=[(0,)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S35, optimize=[(0,)])
-    t1 += oe.contract('abc,dc->adb', t37, t38, optimize=[(0, 1)])
+    t36 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S37 = oe.contract('ab,c->cab', t22, t36, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t36, optimize=[(0, 1)])
+    t38 = (1/n_batch) * S37
+    t1 += oe.contract('abcd,bde->ceb', S35, t38, optimize=[(0, 1)])
     return out
 
 
@@ -2354,9 +2418,12 @@ def ce__frobenius__X__X__full(X, Y):
     S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
     S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S33, S33, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S33, S33, t22, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S33, t22, S33, t22, optimize=[(1, 3), (0, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return t35
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return t37
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2396,33 +2463,36 @@ def ce__frobenius_split__X__X(X, Y):
     t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
     S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,gbch,bhi,bif->', S16, dA, S20, S16, dA, S20, optimize=[(0, 3), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,bde,bef,gbch,bhi,bij,jf->', S16, dA, S20, S16, dA, S20, t13, optimize=[(0, 3), (0, 1), (0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,bde,bef,fg,hbci,bij,bjk,kg->', S16, dA, S20, t13, S16, dA, S20, t13, optimize=[(0, 4), (0, 1), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
     F = Z
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t1 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = t14 * G * M_Z
-    t28 = t27.sum(-1, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-1], d_V)
-    t30 = t14 * G
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t1 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t14 * G * M_Z
+    t30 = t29.sum(-1, keepdim=True)
+    t31 = t30.expand(*t30.shape[:-1], d_V)
+    t32 = t14 * G
+    t33 = (0.75 * (sigma2_Z ** -2.5))
+    t34 = t33 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t30, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)])
+    S35 = oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t13, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t29, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t30, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S33, optimize=[(0, 1), (0, 1)])
+    S36 = oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd->abcd', t29, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S33, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S35, S35, optimize=[(0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,ebcf,fd->', S35, S35, t13, optimize=[(0, 2), (0, 1)]) + (1/(d_V**2*n_batch**2)) * oe.contract('abcd,de,fbcg,ge->', S35, t13, S35, t13, optimize=[(1, 3), (0, 2), (0, 1)])
-    t37 = (2/n_batch**2) * oe.contract('abcd,bde,bef,gbcf->', S16, dA, S20, S35, optimize=[(0, 1), (0, 2), (0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,bde,bef,gbch,hf->', S16, dA, S20, S35, t13, optimize=[(0, 3), (0, 1), (1, 2), (0, 1)]) + (-2/(d_V*n_batch**2)) * oe.contract('abcd,bde,bef,fg,hbcg->', S16, dA, S20, t13, S35, optimize=[(0, 4), (0, 1), (1, 2), (0, 1)]) + (2/(d_V**2*n_batch**2)) * oe.contract('abcd,bde,bef,fg,hbci,ig->', S16, dA, S20, t13, S35, t13, optimize=[(0, 4), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = t21 + t36 + t37
-    t39 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t40 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t41 = torch.sqrt(torch.clamp(t38, min=0.0))
-    return (t39, t40, t41,)
+    S37 = (2/d_V) * oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S36, optimize=[(0, 1)])
+    t38 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S37, S22, S37, S22, optimize=[(0, 1), (1, 2), (0, 1)])
+    t39 = (2/n_batch**2) * oe.contract('abcd,bde,bef,bfg,hbci,big->', S16, dA, S20, S22, S37, S22, optimize=[(0, 4), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t40 = t23 + t38 + t39
+    t41 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t42 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t43 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return (t41, t42, t43,)
 
 
 VARIANTS = {

@@ -602,13 +602,6 @@ def _merge_sizes(a, b):
     return out if not (a or b) else None
 
 
-def _constant(ref):
-    """An operand that is all ones or a delta (no data in it)."""
-    if isinstance(ref, tuple):
-        return ref[0] in ("ones", "eye")
-    return isinstance(ref, (E.Ones, E.Identity))
-
-
 def _inner_terms(lw, n, rows, cols):
     inner = n.inner if isinstance(n, E.Named) else n
     return lw._lower(inner, list(rows), list(cols), Term())
@@ -651,8 +644,6 @@ def _intermediate(lw, n):
         return None
     if any(len(sr) != len(new_r) or len(sc) != len(new_c) for sr, sc in sizes):
         return None
-    if all(_constant(f.ref) for t in terms for f in t.factors):
-        return None          # only deltas and ones (I − 11ᵀ/d): cheaper applied term by term
     n_row = len(new_r)
     positions = [ra + ca for ra, ca in atoms]
     keys = [tuple(p[k] for p in positions) for k in range(len(positions[0]))]
