@@ -252,6 +252,23 @@ class Interpreter:
             raise InputError(f"dimension {d} is not determined by the values given")
         return int(v)
 
+    def _matmul(self, n, a):
+        """A product chain; an all-ones factor is a row/column sum, not a dense product
+        (A 1 1ᵀ is rowsum(A) broadcast: O(L d) instead of O(L d²))."""
+        j = next((i for i, f in enumerate(n.args) if isinstance(f, E.Ones)), None)
+        if j is None or len(a) < 2:
+            return self.xp.matmul_chain(a)
+        left = self.xp.matmul_chain(a[:j]) if j > 0 else None
+        right = self.xp.matmul_chain(a[j + 1:]) if j + 1 < len(a) else None
+        ones = n.args[j]
+        lsum = left.sum(1).reshape(-1, 1) if left is not None else None          # (r × 1)
+        rsum = right.sum(0).reshape(1, -1) if right is not None else None        # (1 × c)
+        if lsum is not None and rsum is not None:
+            return lsum * rsum
+        if lsum is not None:
+            return lsum * self.xp.ones(1, self.size(ones.cols))
+        return self.xp.ones(self.size(ones.rows), 1) * rsum
+
     def run(self, expr):
         for node in E.walk(expr):
             if node not in self.memo:
@@ -286,7 +303,7 @@ class Interpreter:
             out[r * k + r, r] = 1
             return out
         if t is E.MatMul:
-            return xp.matmul_chain(a)
+            return self._matmul(n, a)
         if t is E.Add:
             out = a[0]
             for b in a[1:]:

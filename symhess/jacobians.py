@@ -210,7 +210,7 @@ def write_terms(rt, target, batched, jobs, zeroed=False):
         view = rt.emit(rt.fmt("view", target, "(" + ", ".join(dims) + ",)"), False)
         view, order = _diag(rt, view, atoms)
         term = strip_ones(rt, term, order)
-        if k == 0 and _outer(rt, term, order, view, batched):
+        if _outer(rt, term, order, view, batched, accumulate=k > 0):
             continue
         coef, code, _ = rt.network(term, order, keep_batch=True, fold_coef=True)
         rhs = _scaled(rt, coef, code)
@@ -240,36 +240,60 @@ def strip_ones(rt, term, outputs):
     return term.copy(factors=tuple(keep), coef=coef)
 
 
-def _outer(rt, term, order, view, batched):
+def _outer(rt, term, order, view, batched, accumulate=False):
     """Write a network without summed indices as one broadcast product into ``view``.
 
     opt_einsum's last step of such a product (e.g. X[i,b] · C[i,a,k] → J[i,a,b,k]) is a
     batched GEMM whose result is then permuted into the output: two passes over the
     block.  Here both halves are contracted first (small), then multiplied with
-    ``out=view`` (one pass).  False when the term sums an index or has one operand.
+    ``out=view`` (one pass); with ``accumulate`` they are added in place (a broadcast
+    ``+=`` of one small operand, torch's ``addcmul_`` of two).  False when the term sums an
+    index (or, assigning, has one operand).
     """
     labs = [rt.lw.resolve(term, f.labels) for f in term.factors]
-    if len(labs) < 2 or any(a not in order for ls in labs for a in ls):
+    if not labs:
         return False
+    if any(not any(a in ls for ls in labs) for a in order):
+        # constant along some target axis: contract to the others, broadcast in one pass
+        part = _broadcast_part(rt, term, order, list(range(len(labs))), batched, term.coef)
+        rt.line(f"{view} += {part}" if accumulate else f"{view}[...] = {part}")
+        return True
+    if any(a not in order for ls in labs for a in ls):
+        return False
+    if len(labs) < 2:
+        if not accumulate:
+            return False
+        rt.line(f"{view} += {_broadcast_part(rt, term, order, [0], batched, term.coef)}")
+        return True
     # the largest operand alone against the rest (contracted together: still small)
     sizes = [_size(rt, ls) for ls in labs]
     big = max(range(len(labs)), key=lambda i: (sizes[i], -i))
     halves = [[big], [i for i in range(len(labs)) if i != big]]
-    parts = []
     coef = sp.sympify(term.coef)
-    for n, h in enumerate(halves):
-        atoms = [a for a in order if any(a in labs[i] for i in h)]
-        sub = term.copy(factors=tuple(term.factors[i] for i in h),
-                        coef=coef if n == 1 else sp.Integer(1))
-        c, code, b = rt.network(sub, atoms, keep_batch=True)
-        name = rt.emit(_scaled(rt, c, code), b)
-        idx = ([":"] if b else []) + [(":" if a in atoms else "None") for a in order]
-        if not b and batched:
-            idx = ["None"] + idx
-        parts.append(f"{name}[{', '.join(idx)}]")
-    fn = "np.multiply" if rt.t["name"] == "numpy" else "torch.mul"
-    rt.line(f"{fn}({parts[0]}, {parts[1]}, out={view})")
+    parts = [_broadcast_part(rt, term, order, h, batched, coef if n == 1 else 1)
+             for n, h in enumerate(halves)]
+    if not accumulate:
+        fn = "np.multiply" if rt.t["name"] == "numpy" else "torch.mul"
+        rt.line(f"{fn}({parts[0]}, {parts[1]}, out={view})")
+    elif rt.t["name"] == "torch":
+        rt.line(f"{view}.addcmul_({parts[0]}, {parts[1]})")
+    else:
+        rt.line(f"{view} += {parts[0]} * {parts[1]}")
     return True
+
+
+def _broadcast_part(rt, term, order, h, batched, coef):
+    """The factors ``h`` of a term contracted to their output atoms, indexed to broadcast
+    against the target's axes ``order`` (None where they do not vary)."""
+    labs = [rt.lw.resolve(term, f.labels) for f in term.factors]
+    atoms = [a for a in order if any(a in labs[i] for i in h)]
+    sub = term.copy(factors=tuple(term.factors[i] for i in h), coef=sp.sympify(coef))
+    c, code, b = rt.network(sub, atoms, keep_batch=True)
+    name = rt.emit(_scaled(rt, c, code), b)
+    idx = ([":"] if b else []) + [(":" if a in atoms else "None") for a in order]
+    if not b and batched:
+        idx = ["None"] + idx
+    return f"{name}[{', '.join(idx)}]"
 
 
 def _size(rt, labels):

@@ -3685,8 +3685,8 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
     t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
     t9 = np.einsum('...abcb->...abc', t8)
-    t10 = np.ones((d_V,), dtype=X.dtype)
-    t9[...] = oe.contract('abc,d->abdc', M_1, t10, optimize=[(0, 1)])
+    t10 = M_1
+    t9[...] = t10[:, :, None, :]
     return out
 
 
@@ -7561,8 +7561,8 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
     t10 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
     t11 = np.einsum('...abcb->...abc', t10)
-    t12 = np.ones((d_V,), dtype=X.dtype)
-    t11[...] = oe.contract('abc,d->abdc', M_1, t12, optimize=[(0, 1)])
+    t12 = M_1
+    t11[...] = t12[:, :, None, :]
     return out
 
 

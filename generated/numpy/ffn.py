@@ -1154,8 +1154,8 @@ def bias0_residual0__jacobian__W_2(X, W_1, W_2):
     out = np.zeros((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype)
     t2 = np.reshape(out, (n_batch, L, d_V, d_ff, d_V,), copy=False)
     t3 = np.einsum('...abcb->...abc', t2)
-    t4 = np.ones((d_V,), dtype=X.dtype)
-    t3[...] = oe.contract('abc,d->abdc', t1, t4, optimize=[(0, 1)])
+    t4 = t1
+    t3[...] = t4[:, :, None, :]
     return out
 
 

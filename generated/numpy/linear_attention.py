@@ -2875,8 +2875,8 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
     t7 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
     t8 = np.einsum('...abcb->...abc', t7)
-    t9 = np.ones((d_V,), dtype=X.dtype)
-    t8[...] = oe.contract('abc,d->abdc', t6, t9, optimize=[(0, 1)])
+    t9 = t6
+    t8[...] = t9[:, :, None, :]
     return out
 
 
@@ -5779,8 +5779,8 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
     t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
     t9 = np.einsum('...abcb->...abc', t8)
-    t10 = np.ones((d_V,), dtype=X.dtype)
-    t9[...] = oe.contract('abc,d->abdc', t7, t10, optimize=[(0, 1)])
+    t10 = t7
+    t9[...] = t10[:, :, None, :]
     return out
 
 

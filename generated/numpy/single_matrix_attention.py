@@ -1623,8 +1623,8 @@ def causal0__jacobian__W_V(X, W_QK, W_V):
     out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
     t5 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
     t6 = np.einsum('...abcb->...abc', t5)
-    t7 = np.ones((d_V,), dtype=X.dtype)
-    t6[...] = oe.contract('abc,d->abdc', M_1, t7, optimize=[(0, 1)])
+    t7 = M_1
+    t6[...] = t7[:, :, None, :]
     return out
 
 
@@ -3347,8 +3347,8 @@ def causal1__jacobian__W_V(X, W_QK, W_V):
     out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
     t7 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
     t8 = np.einsum('...abcb->...abc', t7)
-    t9 = np.ones((d_V,), dtype=X.dtype)
-    t8[...] = oe.contract('abc,d->abdc', M_1, t9, optimize=[(0, 1)])
+    t9 = M_1
+    t8[...] = t9[:, :, None, :]
     return out
 
 

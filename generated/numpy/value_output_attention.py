@@ -6184,8 +6184,8 @@ def causal0__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     out = np.zeros((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype)
     t9 = np.reshape(out, (n_batch, L, d_V, d_H, d_V,), copy=False)
     t10 = np.einsum('...abcb->...abc', t9)
-    t11 = np.ones((d_V,), dtype=X.dtype)
-    t10[...] = oe.contract('abc,d->abdc', t8, t11, optimize=[(0, 1)])
+    t11 = t8
+    t10[...] = t11[:, :, None, :]
     return out
 
 
@@ -12667,8 +12667,8 @@ def causal1__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     out = np.zeros((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype)
     t11 = np.reshape(out, (n_batch, L, d_V, d_H, d_V,), copy=False)
     t12 = np.einsum('...abcb->...abc', t11)
-    t13 = np.ones((d_V,), dtype=X.dtype)
-    t12[...] = oe.contract('abc,d->abdc', t10, t13, optimize=[(0, 1)])
+    t13 = t10
+    t12[...] = t13[:, :, None, :]
     return out
 
 

@@ -1153,8 +1153,8 @@ def bias0_residual0__jacobian__W_2(X, W_1, W_2):
     out = torch.zeros((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
     t2 = out.view((n_batch, L, d_V, d_ff, d_V,))
     t3 = t2.diagonal(0, -3, -1)
-    t4 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t3[...] = oe.contract('a,bcd->bcda', t4, t1, optimize=[(0, 1)])
+    t4 = t1
+    t3[...] = t4[:, :, :, None]
     return out
 
 

@@ -1148,15 +1148,13 @@ def jacobian__X(X):
     t14 = oe.contract('ab->ba', t9, optimize=[(0,)])
     t15 = (2/d_V) * oe.contract('ab->ba', M_Z, optimize=[(0,)])
     torch.mul(t14[:, None, :], t15[None, :, :], out=t13)
-    t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t17 = (-2/d_V**2) * t16
-    t18 = oe.contract('ab,ac->ba', t9, M_Z, optimize=[(0, 1)])
-    t13 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
-    t19 = t12.diagonal(0, -4, -2).diagonal(0, -3, -2)
-    t19 += P_Z
-    t20 = (-1/d_V) * t16
-    t21 = oe.contract('ab->ba', P_Z, optimize=[(0,)])
-    t13 += oe.contract('ab,c->acb', t21, t20, optimize=[(0, 1)])
+    t16 = (-2/d_V**2) * oe.contract('ab,ac->ba', t9, M_Z, optimize=[(0, 1)])
+    t13 += t16[:, None, :]
+    t17 = t12.diagonal(0, -4, -2).diagonal(0, -3, -2)
+    t18 = P_Z
+    t17 += t18[:, :]
+    t19 = (-1/d_V) * oe.contract('ab->ba', P_Z, optimize=[(0,)])
+    t13 += t19[:, None, :]
     return out
 
 
@@ -1184,14 +1182,13 @@ def jacobian_compact__X(X):
     t13 = t9
     t14 = (2/d_V) * M_Z
     torch.mul(t13[:, :, None], t14[:, None, :], out=t12)
-    t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t16 = (-2/d_V**2) * t15
-    t17 = oe.contract('ab,ac->ab', t9, M_Z, optimize=[(0, 1)])
-    t12 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/d_V) * t15
-    t12 += oe.contract('a,bc->bca', t18, P_Z, optimize=[(0, 1)])
-    t19 = t12.diagonal(0, -2, -1)
-    t19 += P_Z
+    t15 = (-2/d_V**2) * oe.contract('ab,ac->ab', t9, M_Z, optimize=[(0, 1)])
+    t12 += t15[:, :, None]
+    t16 = (-1/d_V) * P_Z
+    t12 += t16[:, :, None]
+    t17 = t12.diagonal(0, -2, -1)
+    t18 = P_Z
+    t17 += t18[:, :]
     return (J,)
 
 

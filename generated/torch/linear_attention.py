@@ -2874,8 +2874,8 @@ def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
     out = torch.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
     t7 = out.view((n_batch, L, d_V, d_V, d_V,))
     t8 = t7.diagonal(0, -3, -1)
-    t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t8[...] = oe.contract('a,bcd->bcda', t9, t6, optimize=[(0, 1)])
+    t9 = t6
+    t8[...] = t9[:, :, :, None]
     return out
 
 
@@ -5778,8 +5778,8 @@ def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
     out = torch.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
     t8 = out.view((n_batch, L, d_V, d_V, d_V,))
     t9 = t8.diagonal(0, -3, -1)
-    t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t9[...] = oe.contract('a,bcd->bcda', t10, t7, optimize=[(0, 1)])
+    t10 = t7
+    t9[...] = t10[:, :, :, None]
     return out
 
 

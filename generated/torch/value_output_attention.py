@@ -6183,8 +6183,8 @@ def causal0__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     out = torch.zeros((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
     t9 = out.view((n_batch, L, d_V, d_H, d_V,))
     t10 = t9.diagonal(0, -3, -1)
-    t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t10[...] = oe.contract('a,bcd->bcda', t11, t8, optimize=[(0, 1)])
+    t11 = t8
+    t10[...] = t11[:, :, :, None]
     return out
 
 
@@ -12666,8 +12666,8 @@ def causal1__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
     out = torch.zeros((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
     t11 = out.view((n_batch, L, d_V, d_H, d_V,))
     t12 = t11.diagonal(0, -3, -1)
-    t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t12[...] = oe.contract('a,bcd->bcda', t13, t10, optimize=[(0, 1)])
+    t13 = t10
+    t12[...] = t13[:, :, :, None]
     return out
 
 
