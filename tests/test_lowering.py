@@ -1,0 +1,82 @@
+"""The index lowering keeps sums inside products: factored sums and compact block-diagonal sums."""
+import numpy as np
+import pytest
+
+import symhess as sh
+from symhess import codegen, expr as E
+from symhess.evaluate import evaluate
+from symhess.printing.index import factored, Lowering
+
+
+def _values(names_shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s) for n, s in names_shapes.items()}
+
+
+def test_common_prefix_and_suffix_are_pulled_out_of_a_sum():
+    m, n = E.dims("m n")
+    A, B, C, D = (E.matrix(x, m, m) for x in "ABCD")
+    s = A @ B @ C + 3 * (A @ D @ C)
+    f = factored(s)
+    assert isinstance(f, E.MatMul) and f.args[0] == A and f.args[-1] == C
+    assert isinstance(f.args[1], E.Add)
+    vals = _values({x: (4, 4) for x in "ABCD"})
+    assert np.allclose(evaluate(f, vals), evaluate(s, vals), rtol=1e-13, atol=1e-13)
+
+
+def test_kronecker_factors_are_peeled_by_the_mixed_product_rule():
+    m, n, k = E.dims("m n k")
+    X = E.matrix("X", m, n)
+    W1, W2, W3 = E.matrix("W1", k, k), E.matrix("W2", k, k), E.matrix("W3", k, k)
+    s = E.kron(X, W1 @ W2) + E.kron(X, W3 @ W2)
+    f = factored(s)
+    assert not f == s and isinstance(f, E.MatMul)
+    vals = _values({"X": (3, 2), "W1": (4, 4), "W2": (4, 4), "W3": (4, 4)})
+    assert np.allclose(evaluate(f, vals), evaluate(s, vals), rtol=1e-13, atol=1e-13)
+
+
+def test_a_sum_scaled_as_a_whole_is_recognised_as_the_same_factor():
+    m = E.dims("m")[0]
+    A, B, J = (E.matrix(x, m, m) for x in "ABJ")
+    S = E.matrix("S1", m, m) + E.matrix("S2", m, m)
+    s = A @ E.scale(2, S) @ J + B @ S @ J          # 2·S distributes its scalar onto S's terms
+    f = factored(s)
+    assert isinstance(f, E.MatMul) and f.args[-1] == J
+    assert any(isinstance(x, E.Add) and x == S for x in f.args)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_experiment_blocks_lower_to_one_network(attention):
+    """The chain rule through the MLP, residuals and unembedding leaves one network per part."""
+    loss = "ce_answer" if attention == "softmax" else "mse_sum"
+    low = codegen.lowered("addition_block", loss, (("attention", attention), ("norm", "none")))
+    for p in ("W_Q", "W_V"):
+        for part in ("outer", "functional"):
+            terms, _, _ = low.terms(p, p, part)
+            assert len(terms) <= 1, (p, part, len(terms))
+            assert (len(terms) == 0) == low.d.block(p, p, part).is_zero
+
+
+def test_block_diagonal_sum_becomes_a_compact_tensor():
+    """I + (I⊗Wᵀ) diag(v) (I⊗U) is one L×d×d factor, not two terms."""
+    L, d, k = E.dims("L d k")
+    W, U, V = E.matrix("W", k, d), E.matrix("U", d, k), E.matrix("V", L, k)
+    s = E.identity(L * d) + E.kron(E.identity(L), W.T) @ E.diag(E.vec_r(V)) @ E.kron(E.identity(L), U.T)
+    lw = Lowering()
+    rows, cols = lw.labels.fresh(L * d), lw.labels.fresh(L * d)
+    terms = lw.lower(s, rows, cols)
+    assert len(terms) == 1 and len(terms[0].factors) == 1
+    inter = lw.intermediates[s]
+    assert inter.axis_sizes == (L, d, d)
+
+
+def test_frobenius_split_matches_the_per_part_norms():
+    d = sh.derive(sh.layer("attention", causal=True), "ce")
+    from symhess.verify import random_values
+    vals = random_values(d, seed=3, sizes={"L": 5, "d_V": 4, "d_K": 3})
+    k = sh.kernel("attention", "numpy", "ce", causal=True)
+    for p, q in (("W_Q", "W_Q"), ("W_Q", "W_K"), ("W_V", "W_Q")):
+        split = k.frobenius_split(vals, p, q)
+        for part in ("outer", "functional", "full"):
+            ref = np.linalg.norm(d.block(p, q, part).evaluate(vals))
+            assert abs(split[part] - ref) <= 1e-12 * max(1.0, ref), (p, q, part)
