@@ -90,6 +90,7 @@ class Kernel:
         variables["Y"] = derive(layer, loss).Y
         self._vars = variables
         self.names = sorted(variables)
+        self._dims_seen = {}      # (name, shape) tuples → bound dimensions (shapes that passed)
 
     def __repr__(self):
         return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name})>"
@@ -150,10 +151,14 @@ class Kernel:
         if len(set(batch.values())) > 1 or (batch and len(batch) < len(data)):
             desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
             raise InputError(f"the data values need the same leading batch size, got {desc}")
-        shapes = {n: _Shape(a.shape[-2:]) for n, a in arrays.items()}
         order = data + list(self.params) + [n for n in names
                                             if n not in data and n not in self.params]
-        self._dims = bind_dims([self._vars[n] for n in order], shapes)   # data first: it fixes the sizes
+        key = tuple((n, tuple(arrays[n].shape[-2:])) for n in order)
+        if key not in self._dims_seen:   # shapes already checked once need no sympy again
+            shapes = {n: _Shape(shape) for n, shape in key}
+            # data first: it fixes the sizes
+            self._dims_seen[key] = bind_dims([self._vars[n] for n in order], shapes)
+        self._dims = self._dims_seen[key]
         self._run_layer_checks(arrays)
         return arrays
 
