@@ -95,23 +95,12 @@ def cmd_derive(args):
     for part in parts:
         if part not in PARTS:
             raise CLIError(f"unknown part {part!r}; valid: {', '.join(PARTS)}, all")
-    shared, names = [], d.latex_names
-    if args.format == "latex":  # name recurring sub-expressions where some term is too long
-        from .printing.latex_cse import jacobian_names, latex, share_if_long
-        from .report import MAX_TERM_CHARS
-        shared, names = share_if_long([d.block(p, q, part).expr for p, q in _pairs(lay, args.block)
-                                       for part in parts], names, MAX_TERM_CHARS,
-                                      hints=lambda: jacobian_names(d))
-    for s in shared:
-        print(f"{s.symbol} := {s.tex}")
-    for p, q in _pairs(lay, args.block):
-        for part in parts:
-            b = d.block(p, q, part)
-            if args.format == "latex":
-                tex = latex(b.expr, names, shared) if shared else b.latex()
-                print(f"{block_label(lay, p, q, part)} = {tex}")
-            else:
-                print(f"H_{part}({p}, {q}) = {b.text()}")
+    keys = [(p, q, part) for p, q in _pairs(lay, args.block) for part in parts]
+    if args.format == "latex":
+        print_latex_blocks(d, keys)
+    else:
+        for p, q, part in keys:
+            print(f"H_{part}({p}, {q}) = {d.block(p, q, part).text()}")
     if args.format == "latex" and args.definitions:
         seen = set()
         for p, q in _pairs(lay, args.block):
@@ -121,6 +110,22 @@ def cmd_derive(args):
                         seen.add(n.name)
                         print(f"{n.latex()} := {n.inner.latex()}")
     return 0
+
+
+def print_latex_blocks(d, keys):
+    """Print the blocks ``keys`` ((p, q, part) …) of a derivation as LaTeX; when some term is
+    too long to read, recurring sub-expressions are named and their definitions come first."""
+    from .printing.latex_cse import jacobian_names, latex, share_if_long
+    from .report import MAX_TERM_CHARS
+
+    blocks = {k: d.block(*k) for k in keys}
+    shared, names = share_if_long([b.expr for b in blocks.values()], d.latex_names,
+                                  MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
+    for sub in shared:
+        print(f"{sub.symbol} := {sub.tex}")
+    for (p, q, part), b in blocks.items():
+        tex = latex(b.expr, names, shared) if shared else b.latex()
+        print(f"{block_label(d.layer, p, q, part)} = {tex}")
 
 
 def verification_table(lay_name, losses, seed, options, out=print, derived=None):
@@ -181,9 +186,6 @@ def cmd_run(args):
     """The main job: derive every block, print LaTeX, verify against autograd, check kernels."""
     import time
 
-    from .printing.latex_cse import jacobian_names, latex, share_if_long
-    from .report import MAX_TERM_CHARS
-
     opts = options_from_args(args)
     lay = layer(args.layer, **opts)
     derived = {}
@@ -195,15 +197,7 @@ def cmd_run(args):
                   for q in lay.param_names for part in PARTS}
         dt = time.perf_counter() - t0
         print(f"% {lay.name}, loss={loss}: derived {len(blocks)} blocks in {dt:.2f} s")
-        shown = {k: b for k, b in blocks.items() if k[2] != "full"}
-        # name recurring sub-expressions when some term is too long to read (full blocks)
-        shared, names = share_if_long([b.expr for b in shown.values()], d.latex_names,
-                                      MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
-        for sub in shared:
-            print(f"{sub.symbol} := {sub.tex}")
-        for (p, q, part), b in shown.items():
-            tex = latex(b.expr, names, shared) if shared else b.latex()
-            print(f"{block_label(lay, p, q, part)} = {tex}")
+        print_latex_blocks(d, [k for k in blocks if k[2] != "full"])
     ok = verification_table(args.layer, _losses(args.loss), args.seed, opts, derived=derived)
     status = 0 if ok else 1
     try:

@@ -20,12 +20,10 @@ from pathlib import Path
 import jinja2
 import sympy as sp
 
-from . import expr as E
 from . import jacobians
 from .hessian import PARTS, derive
 from .layers import LAYERS, layer as get_layer, layer_options
-from .losses import LOSSES
-from .printing.code import Routine, _scaled, _sum
+from .printing.code import Routine
 from .printing.index import Factor, Lowering
 from .printing.numpy import NUMPY
 from .printing.torch import TORCH
@@ -274,21 +272,37 @@ class Variant:
             return "0.0"
         if len(terms) > PAIRWISE_MAX_TERMS:
             return self._frobenius_dense(rt, p, q, terms, r, c)
+        s = rt.emit(rt.scalar(self._pairings(rt, (terms, r, c))), True)
+        return rt.emit(rt.fmt("sqrt_pos", s), True)
+
+    def _pairings(self, rt, first, second=None):
+        """[(coef, code)] of the networks ⟨N_t, N'_t'⟩ over the terms of two lowered blocks
+        ((terms, rows, cols) each); with one block, each unordered pair once (twice weighted
+        off the diagonal), so their sum is ‖Σ_t N_t‖²."""
+        ta, r, c = first
+        tb, r2, c2 = second or first
         nets = []
-        for i, t1 in enumerate(terms):
-            for t2 in terms[i:]:
+        for i, t1 in enumerate(ta):
+            for j, t2 in enumerate(tb):
+                if second is None and j < i:
+                    continue
+                t2 = _relabel(rt.lw, t2, r2 + c2, r + c)
                 pair = _pair(rt.lw, t1, t2, r, c)
                 outer = rt.lw.resolve(pair, r) + rt.lw.resolve(pair, c)
                 coef, code, _ = rt.network(pair, [], summed=outer, search=True)
-                nets.append((coef * (1 if t1 is t2 else 2), code))
-        s = rt.emit(rt.scalar(nets), True)
-        return rt.emit(rt.fmt("sqrt_pos", s), True)
+                nets.append((coef * (1 if (second is None and i == j) else 2), code))
+        return nets
 
-    def _frobenius_dense(self, rt, p, q, terms, r, c):
-        """‖H‖_F of a block with many terms: built densely in a temporary, then freed."""
+    def _dense_temporary(self, rt, p, q, terms, r, c):
+        """The name of a temporary holding the block Σ terms densely."""
         tmp = rt.fresh("blk")
         rt.line(f"{tmp} = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
         rt.dense_into(tmp, terms, r, c, fresh=True)
+        return tmp
+
+    def _frobenius_dense(self, rt, p, q, terms, r, c):
+        """‖H‖_F of a block with many terms: built densely in a temporary, then freed."""
+        tmp = self._dense_temporary(rt, p, q, terms, r, c)
         norm = rt.fresh("nrm")
         rt.line(f"{norm} = {rt.fmt('norm', tmp)}")
         rt.line(f"del {tmp}")
@@ -303,17 +317,7 @@ class Variant:
         if any(len(t) > SPLIT_PAIRWISE_MAX_TERMS for t, _, _ in parts.values()):
             return self._frobenius_split_dense(rt, p, q, parts)
         for a, b in (("outer", "outer"), ("functional", "functional"), ("outer", "functional")):
-            (ta, r, c), (tb, r2, c2) = parts[a], parts[b]
-            nets = []
-            for i, t1 in enumerate(ta):
-                for j, t2 in enumerate(tb):
-                    if a == b and j < i:
-                        continue
-                    t2 = _relabel(rt.lw, t2, r2 + c2, r + c)
-                    pair = _pair(rt.lw, t1, t2, r, c)
-                    outer = rt.lw.resolve(pair, r) + rt.lw.resolve(pair, c)
-                    coef, code, _ = rt.network(pair, [], summed=outer, search=True)
-                    nets.append((coef * (1 if (a == b and i == j) else 2), code))
+            nets = self._pairings(rt, parts[a], parts[b] if a != b else None)
             sq[(a, b)] = rt.emit(rt.scalar(nets), True) if nets else "0.0"
         o, f, x = sq[("outer", "outer")], sq[("functional", "functional")], sq[("outer", "functional")]
         full = rt.emit(f"{o} + {f} + {x}", True)
@@ -324,12 +328,7 @@ class Variant:
 
     def _frobenius_split_dense(self, rt, p, q, parts):
         """The split norms of a block with many terms: both parts built densely, then freed."""
-        blocks = {}
-        for part, (terms, r, c) in parts.items():
-            blocks[part] = rt.fresh("blk")
-            rt.line(f"{blocks[part]} = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
-            rt.dense_into(blocks[part], terms, r, c, fresh=True)
-        o, f = blocks["outer"], blocks["functional"]
+        o, f = (self._dense_temporary(rt, p, q, *parts[part]) for part in ("outer", "functional"))
         outs = [rt.emit(rt.fmt("norm", x), False) for x in (o, f, f"({o} + {f})")]
         rt.line(f"del {o}, {f}")
         return self.function(f"frobenius_split__{p}__{q}", rt, "(" + ", ".join(outs) + ",)",
@@ -403,44 +402,48 @@ def _env():
 
 def render_module(layer_name, backend, only=None) -> str:
     """The source of ``generated/<backend>/<layer>.py`` (``only``: restrict to some variants)."""
-    from . import __version__
     target = TARGETS[backend]
     functions, vs = [], []
     jac = {}        # options -> Jacobian table entries (loss-independent: printed once)
     for loss, options in (only or variants(layer_name)):
-        tag = variant_tag(loss, options)
-        fns, table = Variant(lowered(layer_name, loss, options), target, tag).all()
+        fns, table = Variant(lowered(layer_name, loss, options), target, variant_tag(loss, options)).all()
         functions.extend(fns)
         if options not in jac:
-            jtag = variant_tag("", options).lstrip("_")
-            jfns, jac[options] = jacobians.routines(
-                Variant(lowered(layer_name, loss, options), target, jtag))
+            jfns, jac[options] = _jacobian_routines(layer_name, loss, options, target)
             functions.extend(jfns)
-        table = table + jac[options]
-        vs.append({"tag": tag, "loss": loss, "options": dict(options),
-                   "key": repr((loss, options)), "table": table})
+        vs.append(_variant_entry(loss, options, table + jac[options]))
     description = " ".join((get_layer(layer_name).description or "").split())
+    return _module_source(layer_name, backend, description, vs, functions)
+
+
+def _jacobian_routines(layer_name, loss, options, target):
+    """(functions, table entries) of a variant's Jacobians (tagged by the options only)."""
+    tag = variant_tag("", options).lstrip("_")
+    return jacobians.routines(Variant(lowered(layer_name, loss, options), target, tag))
+
+
+def _variant_entry(loss, options, table):
+    return {"tag": variant_tag(loss, options), "loss": loss, "options": dict(options),
+            "key": repr((loss, options)), "table": table}
+
+
+def _module_source(layer_name, backend, description, variants, functions):
+    """The template rendered for some variants' functions."""
+    from . import __version__
     return _env().get_template("kernels.py.j2").render(
         version=__version__, backend=backend, layer=layer_name, description=description,
-        variants=vs, functions=functions, imports=target["imports"])
+        variants=variants, functions=functions, imports=TARGETS[backend]["imports"])
 
 
 def render_routine(layer_name, backend, loss, options, key):
     """One routine of one variant, rendered and executed in memory (on-demand layers)."""
-    from . import __version__
     target = TARGETS[backend]
-    tag = variant_tag(loss, options)
-    low = lowered(layer_name, loss, options)
     if key[0].startswith("jacobian"):
-        fns, table = jacobians.routines(Variant(low, target, variant_tag("", options).lstrip("_")))
+        fns, table = _jacobian_routines(layer_name, loss, options, target)
     else:
-        fn = Variant(low, target, tag).make(key)
+        fn = Variant(lowered(layer_name, loss, options), target, variant_tag(loss, options)).make(key)
         fns, table = [fn], [(repr(key), fn.name)]
-    src = _env().get_template("kernels.py.j2").render(
-        version=__version__, backend=backend, layer=layer_name, description="",
-        variants=[{"tag": tag, "loss": loss, "options": dict(options),
-                   "key": repr((loss, options)), "table": table}],
-        functions=fns, imports=target["imports"])
+    src = _module_source(layer_name, backend, "", [_variant_entry(loss, options, table)], fns)
     ns = {"__name__": f"symhess_inline_{backend}_{layer_name}"}
     exec(compile(src, f"<symhess {backend} {layer_name} {key}>", "exec"), ns)
     return ns["VARIANTS"][(loss, options)]

@@ -315,7 +315,7 @@ class Routine:
         if len(ops) < 2:
             return None
         shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
-        path, score, _ = _path(_spec(labs, out), shapes)
+        path, _, _ = _path(_spec(labs, out), shapes)
         halves = _last_halves(len(ops), path)
         frees = []
         for h in halves:
@@ -349,9 +349,7 @@ class Routine:
 
     def _eye(self, sizes, atoms):
         """δ between two (possibly refined) label groups: an identity reshaped to the atoms."""
-        half = len(atoms) // 2
-        n = _prod(sizes[:half]) if half else sizes[0]
-        name = self.emit(self.fmt("eye", self.size(n)), False)
+        name = self.emit(self.fmt("eye", self.size(_prod(sizes[:len(atoms) // 2]))), False)
         if len(atoms) > 2:
             name = self.emit(self.fmt("reshape", name, self.shape(sizes)), False)
         return name, atoms

@@ -342,7 +342,7 @@ def _peel_kron(chains, out, front):
     if any(side(a) != side(b) for k in ends for a, b in zip(k.args, ends[0].args)):
         return False
     slots = [[_chain(k.args[s]) for k in ends] for s in range(len(ends[0].args))]
-    common = []
+    common, parts = [], []
     for slot in slots:
         lists = [f for _, f in slot]
         m = 0
@@ -351,16 +351,11 @@ def _peel_kron(chains, out, front):
                     for f in lists):
             m += 1
         common.append(m)
-    def part_of(slot, m):
-        f0 = slot[0][1]
-        return f0[:m] if front else f0[len(f0) - m:]
-    if not any(not isinstance(x, E.Identity) for slot, m in zip(slots, common)
-               for x in part_of(slot, m)):
+        parts.append(lists[0][:m] if front else lists[0][len(lists[0]) - m:])
+    if all(isinstance(x, E.Identity) for part in parts for x in part):
         return False                  # only identities in common: nothing to move
     shared, rests = [], [[] for _ in chains]
-    for s, (slot, m) in enumerate(zip(slots, common)):
-        f0 = slot[0][1]
-        part = f0[:m] if front else f0[len(f0) - m:]
+    for s, (slot, m, part) in enumerate(zip(slots, common, parts)):
         arg = ends[0].args[s]
         shared.append(E.matmul(*part) if part else E.identity(arg.rows if front else arg.cols))
         for t, (c, f) in enumerate(slot):
@@ -557,10 +552,12 @@ class Intermediate:
 @_rule(E.Named)
 def _named(lw, n, rows, cols, t):
     """Compact block-diagonal names (M_2 as L×d×d); inline the others."""
-    inter = lw.intermediate(n) if lw.budget is None else None
-    if inter is None:
-        return lw._lower(n.inner, rows, cols, t)
-    return _use_intermediate(lw, n, inter, rows, cols, t)
+    return _compactable(lw, n, rows, cols, t, _inline)
+
+
+def _inline(lw, n, rows, cols, t):
+    """A name's definition, lowered in place."""
+    return lw._lower(n.inner, rows, cols, t)
 
 
 def _use_intermediate(lw, n, inter, rows, cols, t):
