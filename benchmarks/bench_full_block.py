@@ -1,6 +1,7 @@
 """Full post-LN block Hessian (issue 5): the generated kernel against torch.func.hessian.
 
     python -m benchmarks.bench_full_block [--L 8 --d 16 --d-k 16 --d-ff 64] [--threads 1]
+                                          [--quick] [--device cuda]
 
 Sizes default to the issue's (L=8, d=16, d_K=16, d_ff=64: a 2816 × 2816 Hessian over
 W_Q, W_K, W_V, W_1, W_2).  The reference is an independent plain-torch forward of
@@ -8,6 +9,9 @@ Z = LN(Y + relu(Y W_1) W_2), Y = LN(X + softmax(X W_Q W_Kᵀ Xᵀ/√d_K) X W_V)
 ‖Z − T‖²/(L d), differentiated by ``torch.func.hessian`` (forward-over-reverse) and, for
 the accuracy check, by reverse-over-reverse (LayerNorm's known forward-over-reverse issue).
 Every time is the best of several calls in this run; the kernel is rendered before timing.
+``--device cuda``: the kernel and both autograd references run on CUDA tensors (synchronized
+inside each timed region); ``np.ones`` stays on the CPU and ``torch.ones`` on the device is added.
+``--quick``: L=4, d=8, d_K=6, d_ff=16 (a smoke run).
 """
 from __future__ import annotations
 
@@ -20,15 +24,7 @@ import torch
 
 import symhess as sh
 
-
-def best(fn, repeat=5):
-    fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return min(out)
+from .timing import add_device_option, best, check_device, device_label, synchronize
 
 
 def layer_norm(u):
@@ -52,37 +48,48 @@ def main(argv=None):
     ap.add_argument("--d-k", type=int, default=16)
     ap.add_argument("--d-ff", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="L=4, d=8, d_K=6, d_ff=16 (smoke run)")
+    add_device_option(ap)
     a = ap.parse_args(argv)
+    dev = check_device(a.device)
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
-    L, d, dk, dff = a.L, a.d, a.d_k, a.d_ff
+    L, d, dk, dff = (4, 8, 6, 16) if a.quick else (a.L, a.d, a.d_k, a.d_ff)
     vals = {"X": rng.standard_normal((L, d)), "Y": rng.standard_normal((L, d)),
             "W_Q": rng.standard_normal((d, dk)) / math.sqrt(d), "W_K": rng.standard_normal((d, dk)) / math.sqrt(d),
             "W_V": rng.standard_normal((d, d)) / math.sqrt(d), "W_1": rng.standard_normal((d, dff)) / math.sqrt(d),
             "W_2": rng.standard_normal((dff, d)) / math.sqrt(dff)}
-    tv = {k: torch.tensor(v) for k, v in vals.items()}
+    tv = {k: torch.tensor(v, device=dev) for k, v in vals.items()}
     names = ("W_Q", "W_K", "W_V", "W_1", "W_2")
     params = tuple(tv[p] for p in names)
     n = sum(p.numel() for p in params)
     t0 = time.perf_counter()
     k = sh.kernel("post_ln_block", "torch", "mse")
     k.hessian(tv, "full")
+    synchronize(dev)
     render = time.perf_counter() - t0
     loss = make_loss(tv["X"], tv["Y"])
     argn = tuple(range(len(names)))
-    t_kernel = best(lambda: k.hessian(tv, "full"))
-    t_ad = best(lambda: torch.func.hessian(loss, argnums=argn)(*params), 3)
+    t_kernel = best(lambda: k.hessian(tv, "full"), 5, dev)
+    t_ad = best(lambda: torch.func.hessian(loss, argnums=argn)(*params), 3, dev)
     t_ones = best(lambda: np.ones((n, n)))
     h = torch.func.jacrev(torch.func.jacrev(loss, argnums=argn), argnums=argn)(*params)
     ref = torch.cat([torch.cat([h[i][j].reshape(params[i].numel(), params[j].numel())
                                 for j in range(len(names))], 1) for i in range(len(names))])
     got = k.hessian(tv, "full")
     err = float((got - ref).norm() / ref.norm())
+    on = "" if dev.type == "cpu" else f", device {device_label(dev)} (kernel and autograd)"
     print(f"post-LN block, MSE, float64, L={L}, d={d}, d_K={dk}, d_ff={dff}: Hessian {n}×{n}, "
-          f"torch threads {a.threads}")
+          f"torch threads {a.threads}{on}")
     print(f"  kernel.hessian (torch)         {t_kernel * 1e3:9.2f} ms   (first call incl. rendering {render:.1f} s)")
-    print(f"  torch.func.hessian             {t_ad * 1e3:9.2f} ms   → kernel {t_ad / t_kernel:.1f}× faster   [target ≥ 10]")
-    print(f"  np.ones of the output          {t_ones * 1e3:9.2f} ms   → kernel / write {t_kernel / t_ones:.2f}")
+    same = "" if dev.type == "cpu" else " (same device)"
+    print(f"  torch.func.hessian             {t_ad * 1e3:9.2f} ms   → kernel {t_ad / t_kernel:.1f}× faster{same}   [target ≥ 10]")
+    cpu = "" if dev.type == "cpu" else " (cpu)"
+    print(f"  np.ones of the output{cpu:<6}    {t_ones * 1e3:9.2f} ms   → kernel / write {t_kernel / t_ones:.2f}")
+    if dev.type != "cpu":
+        t_dev_ones = best(lambda: torch.ones((n, n), dtype=torch.float64, device=dev), 5, dev)
+        print(f"  torch.ones of the output       {t_dev_ones * 1e3:9.2f} ms   → kernel / write "
+              f"{t_kernel / t_dev_ones:.2f} (same device)")
     print(f"  rel. error vs reverse-over-reverse autograd: {err:.1e}")
 
 

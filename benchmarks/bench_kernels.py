@@ -1,6 +1,10 @@
 """Kernel benchmarks (issue 3): ratios against autograd measured in the same run.
 
 Run from the repository root:  python -m benchmarks.bench_kernels   (add --quick for a smoke run)
+
+``--device cuda`` runs the torch kernels and the autograd references on CUDA tensors (timed
+with a synchronize inside the timed region) and prints "kernel vs autograd on the same
+device"; the NumPy kernels, ``np.ones`` and the memory/generation measurements stay on the CPU.
 """
 from __future__ import annotations
 
@@ -15,16 +19,7 @@ import torch
 import symhess as sh
 from symhess import codegen
 
-
-def best(fn, repeat=5):
-    """Minimum wall time of ``repeat`` calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from .timing import add_device_option, best, check_device, device_label, timed
 
 
 def values(L, d_V, d_K, seed=0):
@@ -45,14 +40,14 @@ def torch_loss(X, Y):
     return loss
 
 
-def dense_hessian(L=16, d=32, repeat=5):
+def dense_hessian(L=16, d=32, repeat=5, device="cpu"):
     v = values(L, d, d)
     k = sh.kernel("attention", "numpy", "mse")
     kt = sh.kernel("attention", "torch", "mse")
     n = 3 * d * d
-    tv = {a: torch.tensor(b) for a, b in v.items()}
+    tv = {a: torch.tensor(b, device=device) for a, b in v.items()}
     t_np = best(lambda: k.hessian(v, "full"), repeat)
-    t_torch = best(lambda: kt.hessian(tv, "full"), repeat)
+    t_torch = best(lambda: kt.hessian(tv, "full"), repeat, device)
     t_kernel = min(t_np, t_torch)
     t_ones = best(lambda: np.ones((n, n)), repeat)
     loss = torch_loss(tv["X"], tv["Y"])
@@ -62,10 +57,22 @@ def dense_hessian(L=16, d=32, repeat=5):
         a, b, c = w[:d * d].view(d, d), w[d * d:2 * d * d].view(d, d), w[2 * d * d:].view(d, d)
         return loss(a, b, c)
 
-    t_auto = best(lambda: torch.func.hessian(f)(flat), max(1, repeat // 3))
+    t_auto = best(lambda: torch.func.hessian(f)(flat), max(1, repeat // 3), device)
     H = k.hessian(v, "full")
-    Ha = torch.func.hessian(f)(flat).numpy()
+    Ha = torch.func.hessian(f)(flat).cpu().numpy()
     err = np.linalg.norm(H - Ha) / np.linalg.norm(Ha)
+    if device.type != "cpu":
+        t_dev_ones = best(lambda: torch.ones((n, n), dtype=torch.float64, device=device), repeat, device)
+        err_dev = np.linalg.norm(kt.hessian(tv, "full").cpu().numpy() - Ha) / np.linalg.norm(Ha)
+        dev = device_label(device)
+        print(f"dense full Hessian MSE f64 L={L} d_V=d_K={d} ({n}x{n}): kernel numpy (cpu) "
+              f"{t_np*1e3:.1f} ms, torch ({dev}) {t_torch*1e3:.3f} ms, np.ones (cpu) "
+              f"{t_ones*1e3:.1f} ms, torch.ones ({dev}) {t_dev_ones*1e3:.3f} ms, "
+              f"torch.func.hessian ({dev}) {t_auto*1e3:.1f} ms")
+        print(f"  kernel vs autograd on the same device ({dev}): autograd/kernel = "
+              f"{t_auto/t_torch:.1f}x (target >= 7); torch kernel/torch.ones = "
+              f"{t_torch/t_dev_ones:.2f}; rel. err torch kernel {err_dev:.1e}, numpy kernel {err:.1e}")
+        return t_torch, t_dev_ones, t_auto
     print(f"dense full Hessian MSE f64 L={L} d_V=d_K={d} ({n}x{n}): kernel numpy {t_np*1e3:.1f} ms, "
           f"torch {t_torch*1e3:.1f} ms, "
           f"np.ones {t_ones*1e3:.1f} ms, torch.func.hessian {t_auto*1e3:.1f} ms")
@@ -74,12 +81,12 @@ def dense_hessian(L=16, d=32, repeat=5):
     return t_kernel, t_ones, t_auto
 
 
-def hvp(L=128, d_V=256, d_K=64, repeat=10):
+def hvp(L=128, d_V=256, d_K=64, repeat=10, device="cpu"):
     v = values(L, d_V, d_K)
     k = sh.kernel("attention", "torch", "mse")
-    tv = {a: torch.tensor(b) for a, b in v.items()}
+    tv = {a: torch.tensor(b, device=device) for a, b in v.items()}
     n = 2 * d_V * d_K + d_V * d_V
-    vec = torch.randn(n, dtype=torch.float64)
+    vec = torch.randn(n, dtype=torch.float64).to(device)
     loss = torch_loss(tv["X"], tv["Y"])
     params = (tv["W_Q"], tv["W_K"], tv["W_V"])
     tangents = (vec[:d_V * d_K].view(d_V, d_K), vec[d_V * d_K:2 * d_V * d_K].view(d_V, d_K),
@@ -89,44 +96,62 @@ def hvp(L=128, d_V=256, d_K=64, repeat=10):
     def auto():
         return torch.func.jvp(lambda *p: grad(*p), params, tangents)[1]
 
-    t_kernel = best(lambda: k.hvp(tv, vec, "full"), repeat)
-    t_auto = best(auto, repeat)
+    t_kernel = best(lambda: k.hvp(tv, vec, "full"), repeat, device)
+    t_auto = best(auto, repeat, device)
     got = k.hvp(tv, vec, "full")
     ref = torch.cat([x.reshape(-1) for x in auto()])
     err = float((got - ref).norm() / ref.norm())
+    on = "" if device.type == "cpu" else f" (kernel vs autograd on the same device, {device_label(device)})"
     print(f"hvp torch f64 L={L} d_V={d_V} d_K={d_K}: kernel {t_kernel*1e3:.2f} ms, "
-          f"jvp(grad) {t_auto*1e3:.2f} ms -> {t_auto/t_kernel:.2f}x (target >= 2), rel. err {err:.1e}")
+          f"jvp(grad) {t_auto*1e3:.2f} ms -> {t_auto/t_kernel:.2f}x (target >= 2), rel. err {err:.1e}{on}")
     return t_kernel, t_auto
 
 
-def frobenius(L=16, d=64, repeat=5):
+def frobenius(L=16, d=64, repeat=5, device="cpu"):
     v = values(L, d, d)
     names = ("W_Q", "W_K", "W_V")
+    on_cpu = device.type == "cpu"
+    label = {"numpy": "numpy" if on_cpu else "numpy (cpu)",
+             "torch": "torch" if on_cpu else f"torch ({device_label(device)})"}
     out = {}
     for backend in ("numpy", "torch"):
         k = sh.kernel("attention", backend, "mse")
-        vals = v if backend == "numpy" else {a: torch.tensor(b) for a, b in v.items()}
-        out[backend] = best(lambda: k.frobenius_norms(vals, "full"), repeat)
-        out[backend + " (9 separate calls)"] = best(
-            lambda: [k.frobenius_norm(vals, p, q, "full") for p in names for q in names], repeat)
+        vals = v if backend == "numpy" else {a: torch.tensor(b, device=device) for a, b in v.items()}
+        dev = "cpu" if backend == "numpy" else device
+        out[label[backend]] = best(lambda: k.frobenius_norms(vals, "full"), repeat, dev)
+        out[label[backend] + " (9 separate calls)"] = best(
+            lambda: [k.frobenius_norm(vals, p, q, "full") for p in names for q in names], repeat, dev)
     k = sh.kernel("attention", "numpy", "mse")
     norms = k.frobenius_norms(v, "full")
-    tv = {a: torch.tensor(b) for a, b in v.items()}
+    tv = {a: torch.tensor(b, device=device) for a, b in v.items()}
     loss = torch_loss(tv["X"], tv["Y"])
-    t = time.perf_counter()
-    H = torch.func.hessian(loss, argnums=(0, 1, 2))(tv["W_Q"], tv["W_K"], tv["W_V"])
-    ref = {(p, q): float(H[i][j].norm()) for i, p in enumerate(names) for j, q in enumerate(names)}
-    t_auto = time.perf_counter() - t
+
+    def auto():
+        H = torch.func.hessian(loss, argnums=(0, 1, 2))(tv["W_Q"], tv["W_K"], tv["W_V"])
+        return {(p, q): float(H[i][j].norm()) for i, p in enumerate(names) for j, q in enumerate(names)}
+
+    if not on_cpu:
+        auto()      # warm-up: the first CUDA call pays for kernel loading
+    ref, t_auto = timed(auto, device)
     err = max(abs(norms[b] - ref[b]) / ref[b] for b in ref)
-    tk = min(out["numpy"], out["torch"])
+    tk = min(out[label["numpy"]], out[label["torch"]])
     desc = ", ".join(f"{b} {t*1e3:.2f} ms" for b, t in out.items())
     print(f"Frobenius norms of all 9 full blocks, L={L} d_V=d_K={d}: {desc}; "
           f"dense torch.func.hessian + norms {t_auto:.2f} s")
-    print(f"  autograd/kernel = {t_auto/tk:.0f}x (target >= 1000), max rel. err {err:.1e} (target <= 1e-10)")
-    return out, t_auto, err
+    if on_cpu:
+        print(f"  autograd/kernel = {t_auto/tk:.0f}x (target >= 1000), max rel. err {err:.1e} (target <= 1e-10)")
+        return out, t_auto, err
+    kt = sh.kernel("attention", "torch", "mse")
+    got = kt.frobenius_norms(tv, "full")
+    err_dev = max(abs(float(got[b]) - ref[b]) / ref[b] for b in ref)
+    t_dev = out[label["torch"]]
+    print(f"  kernel vs autograd on the same device ({device_label(device)}): autograd/kernel = "
+          f"{t_auto/t_dev:.0f}x (target >= 1000), max rel. err torch kernel {err_dev:.1e}, "
+          f"numpy kernel {err:.1e} (target <= 1e-10)")
+    return out, t_auto, max(err, err_dev)
 
 
-def peak_memory(L=16, d=32):
+def peak_memory(L=16, d=32, device="cpu"):
     v = values(L, d, d)
     k = sh.kernel("attention", "numpy", "mse")
     k.hessian(v, "full")
@@ -134,17 +159,19 @@ def peak_memory(L=16, d=32):
     H = k.hessian(v, "full")
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    print(f"peak memory of the dense full-Hessian kernel (L={L} d={d}): {peak/2**20:.1f} MiB for a "
+    where = "" if device.type == "cpu" else "numpy (cpu) "
+    print(f"peak memory of the {where}dense full-Hessian kernel (L={L} d={d}): {peak/2**20:.1f} MiB for a "
           f"{H.nbytes/2**20:.1f} MiB output -> {peak/H.nbytes:.2f}x (target <= 3)")
     return peak / H.nbytes
 
 
-def generation_time():
+def generation_time(device="cpu"):
     t = time.perf_counter()
     files = codegen.render_all()
     dt = time.perf_counter() - t
     layers = sorted({path.split("/")[1][:-3] for path in files})
-    print(f"rendering all generated modules ({len(files)} files, layers: {', '.join(layers)}; "
+    where = "" if device.type == "cpu" else " (cpu)"
+    print(f"rendering all generated modules{where} ({len(files)} files, layers: {', '.join(layers)}; "
           f"on demand only: {', '.join(sorted(codegen.ON_DEMAND))}): {dt:.1f} s (target < 60 s)")
     return dt
 
@@ -153,20 +180,27 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
+    ap.add_argument("--no-generation", action="store_true",
+                    help="skip timing the rendering of generated/ (CPU only, slow)")
+    add_device_option(ap)
     a = ap.parse_args(argv)
+    dev = check_device(a.device)
     torch.set_num_threads(a.threads)
     print(f"torch threads: {a.threads}")
+    if dev.type != "cpu":
+        print(f"device: {device_label(dev)} (torch kernels and autograd); NumPy parts on the CPU")
     if a.quick:
-        dense_hessian(8, 8, 2)
-        hvp(16, 16, 8, 2)
-        frobenius(8, 8, 2)
-        peak_memory(8, 8)
+        dense_hessian(8, 8, 2, dev)
+        hvp(16, 16, 8, 2, dev)
+        frobenius(8, 8, 2, dev)
+        peak_memory(8, 8, dev)
         return
-    dense_hessian()
-    hvp()
-    frobenius()
-    peak_memory()
-    generation_time()
+    dense_hessian(device=dev)
+    hvp(device=dev)
+    frobenius(device=dev)
+    peak_memory(device=dev)
+    if not a.no_generation:
+        generation_time(dev)
 
 
 if __name__ == "__main__":

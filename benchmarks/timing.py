@@ -1,0 +1,59 @@
+"""Timing on CPU or a CUDA device: the clock is read only after the device has finished."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def add_device_option(ap):
+    """``--device`` for a benchmark's argument parser (torch kernels and autograd run there)."""
+    ap.add_argument("--device", default="cpu",
+                    help="torch device for the torch kernels and the autograd references "
+                         "(e.g. cuda); NumPy parts always run on the CPU")
+
+
+def check_device(device):
+    """The device as a torch.device; a clear exit when CUDA is asked for but absent."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+    return dev
+
+
+def synchronize(device):
+    """Wait for the device's queued kernels (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best(fn, repeat=5, device="cpu"):
+    """Minimum wall time of ``repeat`` calls (after one warm-up call); on CUDA each timed
+    region ends with a synchronize, so it measures the work and not only the launches."""
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def timed(fn, device="cpu"):
+    """(result, seconds) of one call, the device synchronized before and after."""
+    synchronize(device)
+    t = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - t
+
+
+def device_label(device):
+    """'cuda:0 (NVIDIA H200)' or 'cpu'."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return str(dev)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One run on a CUDA machine: the CUDA tests, a few quick CPU tests, and the three kernel
+# benchmarks with --device cuda.  Run from the repository root:
+#     bash scripts/device_check.sh
+# Everything is tee'd into "$OUT/device_log.txt" (OUT defaults to /tmp/out).  A failing
+# step does not stop the others; the script exits 1 if any step failed.  Nothing is
+# installed: python3 must already have torch (CUDA), numpy, sympy, jinja2, opt_einsum, pytest.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+LOG="$OUT/device_log.txt"
+: > "$LOG"
+PY="${PYTHON:-python3}"
+FAILED=()
+
+log() { echo "$@" | tee -a "$LOG"; }
+
+# step NAME TIMEOUT_S CMD...: run one step with a time limit, log its output and status
+step() {
+    local name="$1" limit="$2"; shift 2
+    log ""
+    log "=== $name: $* (limit ${limit}s) ==="
+    local t0=$SECONDS rc
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    rc=$?
+    log "=== $name: exit $rc after $((SECONDS - t0)) s ==="
+    if [ "$rc" -ne 0 ]; then FAILED+=("$name (exit $rc)"); fi
+}
+
+log "device check started $(date -u +%FT%TZ) in $PWD"
+step nvidia-smi 30 nvidia-smi -L
+step versions 60 "$PY" -c "import sys, torch, numpy, sympy; \
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, \
+'| numpy', numpy.__version__, '| sympy', sympy.__version__); \
+print('cuda available:', torch.cuda.is_available(), '| devices:', \
+[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); \
+print('tf32 matmul allowed:', torch.backends.cuda.matmul.allow_tf32)"
+
+# the CUDA tests, forced onto cuda (without a visible GPU they fail here instead of skipping) ...
+step test_cuda 150 env SYMHESS_TEST_DEVICE=cuda "$PY" -m pytest -p no:cacheprovider -q -rs \
+    --durations=5 tests/test_cuda.py
+# ... and a few quick device-independent tests (the slow whole-folder regeneration excluded)
+step tests_cpu 120 "$PY" -m pytest -p no:cacheprovider -q -x tests/test_codegen.py \
+    tests/test_jacobian_kernels.py -k "not generate_check and not deterministic"
+
+# benchmarks: torch kernels and autograd on CUDA, NumPy parts on the CPU
+step bench_kernels 150 "$PY" -m benchmarks.bench_kernels --device cuda --no-generation
+step bench_jacobians 120 "$PY" -m benchmarks.bench_jacobians --device cuda
+step bench_full_block 120 "$PY" -m benchmarks.bench_full_block --device cuda
+
+log ""
+if [ "${#FAILED[@]}" -ne 0 ]; then
+    log "FAILED steps: ${FAILED[*]}"
+    log "device check finished $(date -u +%FT%TZ): FAILED"
+    exit 1
+fi
+log "device check finished $(date -u +%FT%TZ): all steps passed"
