@@ -32,15 +32,22 @@ step() {
 
 log "device check started $(date -u +%FT%TZ) in $PWD"
 step nvidia-smi 30 nvidia-smi -L
-step versions 60 "$PY" -c "import sys, torch, numpy, sympy; \
-print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, \
-'| numpy', numpy.__version__, '| sympy', sympy.__version__); \
-print('cuda available:', torch.cuda.is_available(), '| devices:', \
-[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]); \
-print('tf32 matmul allowed:', torch.backends.cuda.matmul.allow_tf32)"
+VERSIONS_PY='
+import sys, torch, numpy, sympy
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| numpy", numpy.__version__, "| sympy", sympy.__version__)
+print("cuda available:", torch.cuda.is_available(), "| devices:",
+      [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+try:
+    print("tf32 matmul allowed:", torch.backends.cuda.matmul.allow_tf32)
+except Exception as e:
+    print("tf32 setting unreadable:", e)
+'
+step versions 60 "$PY" -c "$VERSIONS_PY"
+log "git HEAD: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
 
 # the CUDA tests, forced onto cuda (without a visible GPU they fail here instead of skipping) ...
-step test_cuda 150 env SYMHESS_TEST_DEVICE=cuda "$PY" -m pytest -p no:cacheprovider -q -rs \
+step test_cuda 150 env SYMHESS_TEST_DEVICE=cuda "$PY" -m pytest -p no:cacheprovider -q -rs --tb=short \
     --durations=5 tests/test_cuda.py
 # ... and a few quick device-independent tests (the slow whole-folder regeneration excluded)
 step tests_cpu 120 "$PY" -m pytest -p no:cacheprovider -q -x tests/test_codegen.py \
