@@ -75,26 +75,32 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
-    t10 = (t3 * np.heaviside(t3, 0.0))
-    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t12 = np.reshape(t11, (d_ff, d_V, d_V, d_ff), copy=False)
-    t13 = np.swapaxes(t3, -1, -2)
-    t14 = np.swapaxes(t10, -1, -2)
-    t15 = (2/(L*d_V*n_batch)) * t14
-    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t15, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t16 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t16[...] = 0
-    t17 = np.reshape(t16, (d_ff, d_V, d_ff, d_V), copy=False)
-    t18 = np.einsum('abcb->abc', t17)
-    t19 = t14 @ t10
-    t20 = np.ones((d_V,), dtype=X.dtype)
-    t21 = (2/(L*d_V*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
-    t18 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
+    t8 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
+    t1[...] = (np.reshape((np.reshape(t10.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
+    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
+    t13 = (t3 * np.heaviside(t3, 0.0))
+    t14 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t12[...] = (np.reshape((np.reshape(t14, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
+    t17 = np.swapaxes(t3, -1, -2)
+    t18 = np.swapaxes(t13, -1, -2)
+    t19 = (2/(L*d_V*n_batch)) * t18
+    t20 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t21 = np.reshape((np.reshape(t20.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
+    t16[...] = (np.reshape((np.reshape(t21, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_ff, d_V, d_ff, d_V), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
+    t25 = t18 @ t13
+    t26 = np.ones((d_V,), dtype=X.dtype)
+    t27 = (2/(L*d_V*n_batch)) * t26
+    t28 = t25.sum((0,))
+    t24 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
     return H
 
 
@@ -135,19 +141,36 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = np.sqrt(np.maximum(t5, 0.0))
-    t7 = (t1 * np.heaviside(t1, 0.0))
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    t10 = np.swapaxes(t1, -1, -2)
-    t11 = np.swapaxes(t7, -1, -2)
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t11, t3, t2, X, t11, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t5 = t4 * t4
+    t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
-    t14 = t11 @ t7
-    t15 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return (t6, t9, t13, t16,)
+    t14 = (t1 * np.heaviside(t1, 0.0))
+    t15 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
+    t16 = np.reshape((np.reshape(t14, (L*n_batch, d_ff)) @ np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t6
+    t18 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t19 = np.reshape((np.reshape(t18, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.transpose(2, 0, 1)).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = np.swapaxes(t1, -1, -2)
+    t23 = np.swapaxes(t14, -1, -2)
+    t24 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
+    t25 = np.reshape((np.reshape(t23.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t23.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = t7 * t25
+    t27 = np.reshape((np.reshape(t24, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t28 = np.reshape((np.reshape(t27, (d_ff, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t28 * t2.transpose(2, 0, 1)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = t23 @ t14
+    t32 = (4/(L**2*d_V*n_batch**2)) * (t31.sum((0,)) * t31.sum((0,))).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return (t13, t21, t30, t33,)
 
 
 def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -164,7 +187,10 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t7 = t3 * t3
+    t8 = X * t6.transpose(0, 2, 1)
+    t9 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_ff)))
+    t0[...] = oe.contract('ab,bb->ab', t9, t5)
     return out
 
 
@@ -179,7 +205,10 @@ def mse_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    return (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->', t0, t2, t4, t2, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t5 = t2 * t2
+    t6 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t7 = np.reshape((np.reshape(t6, (1, L*n_batch)) @ np.reshape(t5, (L*n_batch, d_ff))), (d_ff,))
+    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
 
 
 def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -196,7 +225,10 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t7 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t8 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
+    t9 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
+    t0[...] = (np.reshape((np.reshape(t9.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
     return out
 
 
@@ -211,9 +243,16 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = np.sqrt(np.maximum(t5, 0.0))
-    return t6
+    t5 = t4 * t4
+    t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
@@ -229,7 +268,9 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
     t5 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t6 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t7 = np.reshape((np.reshape(t6.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t0[...] = (np.reshape((np.reshape(t7, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
     return out
 
 
@@ -243,9 +284,15 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t1 = X @ W_1
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
-    t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t5 = np.sqrt(np.maximum(t4, 0.0))
-    return t5
+    t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
+    t5 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t6 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = t6 * t5
+    t8 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t9 = np.reshape((np.reshape(t8, (d_ff, L*n_batch)) @ np.reshape(t7.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.transpose(2, 0, 1)).sum()
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -265,7 +312,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -283,7 +330,7 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
@@ -303,7 +350,9 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 = (np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
+    t0[...] = (np.reshape((np.reshape(t11, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
     return out
 
 
@@ -321,9 +370,15 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = np.swapaxes(t2, -1, -2)
     t6 = np.heaviside(t2, 0.0)
     t7 = np.swapaxes(t6, -1, -2)
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
+    t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t13 = np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.transpose(2, 0, 1)).sum()
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -345,7 +400,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
@@ -363,7 +418,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = np.sqrt(np.maximum(t7, 0.0))
     return t8
 
@@ -391,8 +446,8 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * t4
-    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t13 = oe.contract('abc,acd->bdac', t11, t6, optimize=[(0, 1)])
+    t12 = G.transpose(2, 0, 1)
+    t13 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t3 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
@@ -402,8 +457,8 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t6, -1, -2)
     t20 = (1/n_batch) * t17
-    t21 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t22 = oe.contract('abc,adc->dbac', t20, t19, optimize=[(0, 1)])
+    t21 = X.transpose(2, 0, 1)
+    t22 = ((np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t16 += oe.contract('abc,debc->dea', t21, t22, optimize=[(0, 1)])
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
@@ -453,14 +508,22 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    t9 = np.swapaxes(G, -1, -2)
-    t10 = np.swapaxes(t1, -1, -2)
-    t11 = np.swapaxes(t2, -1, -2)
-    t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return (0.0, t8, t13, 0.0,)
+    t7 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = (n_batch**(-2)) * (t10 * t9).sum()
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = np.swapaxes(t1, -1, -2)
+    t15 = np.swapaxes(t2, -1, -2)
+    t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t15.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = (n_batch**(-2)) * (t19 * t18).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return (0.0, t12, t21, 0.0,)
 
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -523,8 +586,8 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (2/(L*d_V)) * t7
     G = t8
     t9 = (1/n_batch) * t2
-    t10 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t11 = oe.contract('abc,acd->bdac', t9, t4, optimize=[(0, 1)])
+    t10 = G.transpose(2, 0, 1)
+    t11 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t1 += oe.contract('abc,debc->dea', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -544,9 +607,13 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    return t8
+    t7 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = (n_batch**(-2)) * (t10 * t9).sum()
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -591,8 +658,8 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t9 = np.heaviside(t2, 0.0)
     t10 = np.swapaxes(t9, -1, -2)
     t11 = (1/n_batch) * t7
-    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t13 = oe.contract('abc,adc->dbac', t11, t10, optimize=[(0, 1)])
+    t12 = X.transpose(2, 0, 1)
+    t13 = ((np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t1 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -614,9 +681,13 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t6 = np.swapaxes(t0, -1, -2)
     t7 = np.heaviside(t0, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
-    t9 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t8, X, t5, t8, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t8.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (n_batch**(-2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -654,43 +725,49 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
-    t10 = (t3 * np.heaviside(t3, 0.0))
-    t11 = np.einsum('abbc->abc', t9)
-    t12 = t10 @ W_2
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/n_batch) * t2
-    t16 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t17 = oe.contract('abc,acd->bdac', t15, t4, optimize=[(0, 1)])
-    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t11 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
-    t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
-    t20 = np.swapaxes(t3, -1, -2)
-    t21 = np.swapaxes(t10, -1, -2)
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = np.einsum('abca->abc', t19)
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = np.swapaxes(t4, -1, -2)
-    t26 = (1/n_batch) * t24
-    t27 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t28 = oe.contract('abc,adc->dbac', t26, t25, optimize=[(0, 1)])
-    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t23 += oe.contract('abc,debc->dea', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = t21 @ t10
-    t33 = np.ones((d_V,), dtype=X.dtype)
-    t34 = (2/(L*d_V*n_batch)) * t33
-    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
-    t31 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
+    t8 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
+    t1[...] = (np.reshape((np.reshape(t10.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
+    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
+    t13 = (t3 * np.heaviside(t3, 0.0))
+    t14 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t15 = np.einsum('abbc->abc', t12)
+    t16 = t13 @ W_2
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = (1/n_batch) * t2
+    t20 = G.transpose(2, 0, 1)
+    t21 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12[...] = (np.reshape((np.reshape(t14, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t15 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t23 = np.reshape(t22, (d_ff, d_V, d_V, d_ff), copy=False)
+    t24 = np.swapaxes(t3, -1, -2)
+    t25 = np.swapaxes(t13, -1, -2)
+    t26 = (2/(L*d_V*n_batch)) * t25
+    t27 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
+    t29 = np.einsum('abca->abc', t23)
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = np.swapaxes(t4, -1, -2)
+    t32 = (1/n_batch) * t30
+    t33 = X.transpose(2, 0, 1)
+    t34 = ((np.reshape(t31.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t23[...] = (np.reshape((np.reshape(t28, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t29 += oe.contract('abc,debc->dea', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t35[...] = 0
+    t36 = np.reshape(t35, (d_ff, d_V, d_ff, d_V), copy=False)
+    t37 = np.einsum('abcb->abc', t36)
+    t38 = t25 @ t13
+    t39 = np.ones((d_V,), dtype=X.dtype)
+    t40 = (2/(L*d_V*n_batch)) * t39
+    t41 = t38.sum((0,))
+    t37 += oe.contract('ab,c->acb', t41, t40, optimize=[(0, 1)])
     return H
 
 
@@ -743,26 +820,57 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = np.sqrt(np.maximum(t5, 0.0))
-    t7 = (t1 * np.heaviside(t1, 0.0))
-    t8 = t7 @ W_2
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = np.swapaxes(t1, -1, -2)
-    t14 = np.swapaxes(t7, -1, -2)
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = np.swapaxes(t2, -1, -2)
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t14, t3, t2, X, t14, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t14, t3, t2, X, t15, t16, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t15, t16, X, t15, t16, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = t14 @ t7
-    t20 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return (t6, t12, t18, t21,)
+    t5 = t4 * t4
+    t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    t14 = (t1 * np.heaviside(t1, 0.0))
+    t15 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
+    t16 = np.reshape((np.reshape(t14, (L*n_batch, d_ff)) @ np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t6
+    t18 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t19 = np.reshape((np.reshape(t18, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t20 = t14 @ W_2
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = t14 * t2
+    t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff))
+    t25 = t24 * t2
+    t26 = np.reshape((np.reshape(t6, (L*n_batch, L*n_batch)) @ np.reshape(t23, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t27 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = t27 * t6
+    t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t25).sum() + (n_batch**(-2)) * (t29 * t28).sum()
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = np.swapaxes(t1, -1, -2)
+    t33 = np.swapaxes(t14, -1, -2)
+    t34 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
+    t35 = np.reshape((np.reshape(t33.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t33.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t7 * t35
+    t37 = np.reshape((np.reshape(t34, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t38 = np.reshape((np.reshape(t37, (d_ff, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t39 = np.swapaxes(G, -1, -2)
+    t40 = np.swapaxes(t2, -1, -2)
+    t41 = t2 * t33.transpose(0, 2, 1)
+    t42 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L*n_batch, d_V)) @ t3), (n_batch, L, d_ff))
+    t43 = t42 * t40.transpose(0, 2, 1)
+    t44 = np.reshape((np.reshape(t7, (L*n_batch, L*n_batch)) @ np.reshape(t41, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t45 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t39.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t46 = np.reshape((np.reshape(t40.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t40.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t47 = t46 * t45
+    t48 = (4/(L**2*d_V**2*n_batch**2)) * (t38 * t2.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t44 * t43).sum() + (n_batch**(-2)) * (t7 * t47).sum()
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    t50 = t33 @ t14
+    t51 = (4/(L**2*d_V*n_batch**2)) * (t50.sum((0,)) * t50.sum((0,))).sum()
+    t52 = np.sqrt(np.maximum(t51, 0.0))
+    return (t13, t31, t49, t52,)
 
 
 def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -779,7 +887,10 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t7 = t3 * t3
+    t8 = X * t6.transpose(0, 2, 1)
+    t9 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_ff)))
+    t0[...] = oe.contract('ab,bb->ab', t9, t5)
     return out
 
 
@@ -794,7 +905,10 @@ def mse_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    return (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->', t0, t2, t4, t2, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t5 = t2 * t2
+    t6 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t7 = np.reshape((np.reshape(t6, (1, L*n_batch)) @ np.reshape(t5, (L*n_batch, d_ff))), (d_ff,))
+    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
 
 
 def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -811,7 +925,10 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t7 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t8 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
+    t9 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
+    t0[...] = (np.reshape((np.reshape(t9.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
     return out
 
 
@@ -826,9 +943,16 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = np.sqrt(np.maximum(t5, 0.0))
-    return t6
+    t5 = t4 * t4
+    t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
@@ -844,17 +968,19 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
     t5 = (2/(L*d_V*n_batch)) * t1
-    t6 = np.einsum('abbc->abc', t0)
-    t7 = t4 @ W_2
-    F = t7
-    t8 = F - Y
-    t9 = (2/(L*d_V)) * t8
-    G = t9
-    t10 = (1/n_batch) * t1
-    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t12 = oe.contract('abc,acd->bdac', t10, t3, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t6 += oe.contract('abc,debc->dea', t11, t12, optimize=[(0, 1)])
+    t6 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t7 = np.reshape((np.reshape(t6.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t8 = np.einsum('abbc->abc', t0)
+    t9 = t4 @ W_2
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (1/n_batch) * t1
+    t13 = G.transpose(2, 0, 1)
+    t14 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t7, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t8 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -868,14 +994,27 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t1 = X @ W_1
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
-    t4 = t3 @ W_2
-    F = t4
-    t5 = F - Y
-    t6 = (2/(L*d_V)) * t5
-    G = t6
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    return t8
+    t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
+    t5 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t6 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = t6 * t5
+    t8 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t9 = np.reshape((np.reshape(t8, (d_ff, L*n_batch)) @ np.reshape(t7.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t10 = t3 @ W_2
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t3 * t2
+    t14 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff))
+    t15 = t14 * t2
+    t16 = np.reshape((np.reshape(t5, (L*n_batch, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t17 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t5
+    t19 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t16 * t15).sum() + (n_batch**(-2)) * (t19 * t18).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -895,7 +1034,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -913,7 +1052,7 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
@@ -933,19 +1072,21 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * t4
-    t10 = np.einsum('abca->abc', t0)
-    t11 = np.swapaxes(t4, -1, -2)
-    t12 = t11 @ W_2
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = (1/n_batch) * t15
-    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t18 = oe.contract('abc,adc->dbac', t16, t7, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t10 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t10 = (np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
+    t12 = np.einsum('abca->abc', t0)
+    t13 = np.swapaxes(t4, -1, -2)
+    t14 = t13 @ W_2
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = (1/n_batch) * t17
+    t19 = X.transpose(2, 0, 1)
+    t20 = ((np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t11, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t12 += oe.contract('abc,debc->dea', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -963,16 +1104,29 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = np.swapaxes(t2, -1, -2)
     t6 = np.heaviside(t2, 0.0)
     t7 = np.swapaxes(t6, -1, -2)
-    t8 = np.swapaxes(t3, -1, -2)
-    t9 = t8 @ W_2
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t12, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t6, X, t12, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
+    t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t13 = np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t14 = np.swapaxes(t3, -1, -2)
+    t15 = t14 @ W_2
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = t7 * t3.transpose(0, 2, 1)
+    t20 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ t4), (n_batch, L, d_ff))
+    t21 = t20 * t6.transpose(0, 2, 1)
+    t22 = np.reshape((np.reshape(t10, (L*n_batch, L*n_batch)) @ np.reshape(t19, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t23 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t6.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t6.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t24 * t23
+    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t22 * t21).sum() + (n_batch**(-2)) * (t10 * t25).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -994,7 +1148,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
@@ -1012,7 +1166,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = np.sqrt(np.maximum(t7, 0.0))
     return t8
 
@@ -1028,11 +1182,18 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = t5 + 0.0 + 0.0
-    t7 = np.sqrt(np.maximum(t5, 0.0))
-    t8 = np.sqrt(np.maximum(t6, 0.0))
-    return (t7, 0.0, t8,)
+    t5 = t4 * t4
+    t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
+    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = t12 + 0.0 + 0.0
+    t14 = np.sqrt(np.maximum(t12, 0.0))
+    t15 = np.sqrt(np.maximum(t13, 0.0))
+    return (t14, 0.0, t15,)
 
 
 def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -1045,19 +1206,32 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t1 = X @ W_1
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
-    t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t5 = t3 @ W_2
-    F = t5
-    t6 = F - Y
-    t7 = (2/(L*d_V)) * t6
-    G = t7
-    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
-    t10 = t4 + t8 + t9
-    t11 = np.sqrt(np.maximum(t4, 0.0))
-    t12 = np.sqrt(np.maximum(t8, 0.0))
-    t13 = np.sqrt(np.maximum(t10, 0.0))
-    return (t11, t12, t13,)
+    t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
+    t5 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t6 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = t6 * t5
+    t8 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t9 = np.reshape((np.reshape(t8, (d_ff, L*n_batch)) @ np.reshape(t7.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.transpose(2, 0, 1)).sum()
+    t11 = t3 @ W_2
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t5
+    t16 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = (n_batch**(-2)) * (t16 * t15).sum()
+    t18 = t3 * t2
+    t19 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff))
+    t20 = t19 * t2
+    t21 = np.reshape((np.reshape(t5, (L*n_batch, L*n_batch)) @ np.reshape(t18, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t22 = (4/(L*d_V*n_batch**2)) * (t21 * t20).sum()
+    t23 = t10 + t17 + t22
+    t24 = np.sqrt(np.maximum(t10, 0.0))
+    t25 = np.sqrt(np.maximum(t17, 0.0))
+    t26 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24, t25, t26,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -1074,21 +1248,34 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t5 = np.swapaxes(t2, -1, -2)
     t6 = np.heaviside(t2, 0.0)
     t7 = np.swapaxes(t6, -1, -2)
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t9 = np.swapaxes(t3, -1, -2)
-    t10 = t9 @ W_2
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t6, X, t13, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t13, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = t8 + t14 + t15
-    t17 = np.sqrt(np.maximum(t8, 0.0))
-    t18 = np.sqrt(np.maximum(t14, 0.0))
-    t19 = np.sqrt(np.maximum(t16, 0.0))
-    return (t17, t18, t19,)
+    t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
+    t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t13 = np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.transpose(2, 0, 1)).sum()
+    t15 = np.swapaxes(t3, -1, -2)
+    t16 = t15 @ W_2
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t6.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t6.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (n_batch**(-2)) * (t10 * t22).sum()
+    t24 = t7 * t3.transpose(0, 2, 1)
+    t25 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ t4), (n_batch, L, d_ff))
+    t26 = t25 * t6.transpose(0, 2, 1)
+    t27 = np.reshape((np.reshape(t10, (L*n_batch, L*n_batch)) @ np.reshape(t24, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t28 = (4/(L*d_V*n_batch**2)) * (t27 * t26).sum()
+    t29 = t14 + t23 + t28
+    t30 = np.sqrt(np.maximum(t14, 0.0))
+    t31 = np.sqrt(np.maximum(t23, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -1104,7 +1291,7 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = t7 + 0.0 + 0.0
     t9 = np.sqrt(np.maximum(t7, 0.0))
     t10 = np.sqrt(np.maximum(t8, 0.0))
@@ -1123,7 +1310,7 @@ def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     out = np.empty((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype)
     t3 = np.reshape(out, (n_batch, L, d_V, d_V, d_ff,), copy=False)
     t4 = t0
-    t5 = oe.contract('abc,abd->abdc', t2, X, optimize=[(0, 1)])
+    t5 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
     np.multiply(t4[None, None, :, None, :], t5[:, :, None, :, :], out=t3)
     return out
 
@@ -1239,29 +1426,38 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
-    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t16 = np.reshape(t15, (d_V, d_ff, d_ff, d_V), copy=False)
-    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
-    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
-    t21 = np.swapaxes(t3, -1, -2)
-    t22 = np.swapaxes(t7, -1, -2)
-    t23 = (1/(L*n_batch)) * t22
-    t24 = oe.contract('abc,acd,acde,ef,acf->bdfac', t23, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
-    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t26 = np.reshape(t25, (d_ff, d_V, d_ff, d_V), copy=False)
-    t27 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t23, t7, optimize=[(0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t19 = X.transpose(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
+    t22 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t23 = ((np.reshape(t16, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t24 = t7.transpose(2, 0, 1)
+    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
+    t27 = np.swapaxes(t3, -1, -2)
+    t28 = np.swapaxes(t7, -1, -2)
+    t29 = (1/(L*n_batch)) * t28
+    t30 = np.reshape((t11.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
+    t31 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t32 = np.reshape((np.reshape(t30, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
+    t33 = ((np.reshape(t32.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t31, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t26[...] = oe.contract('abcde,fde->abfc', t33, t19, optimize=[(0, 1)])
+    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t35 = np.reshape(t34, (d_ff, d_V, d_ff, d_V), copy=False)
+    t36 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t37 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
     return H
 
 
@@ -1317,19 +1513,41 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    t14 = np.swapaxes(t1, -1, -2)
-    t15 = np.swapaxes(t5, -1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t15, t4, dA, t9, t2, X, t15, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t15, t4, dA, t5, t15, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return (t11, t13, t17, t19,)
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t12
+    t24 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t25 = (t24.transpose(2, 3, 0, 1) @ t10)
+    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V*d_ff)) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = (1/(L**2*n_batch**2)) * (t26 * t23).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    t29 = np.swapaxes(t1, -1, -2)
+    t30 = np.swapaxes(t5, -1, -2)
+    t31 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t30.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t13 * t31
+    t33 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t34 = (t33.transpose(1, 2, 0, 3) @ t10.transpose(0, 1, 3, 2))
+    t35 = np.reshape((np.reshape(t34, (L*n_batch, d_V*d_ff)) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = (1/(L**2*n_batch**2)) * (t35 * t32).sum()
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = np.reshape((np.reshape(t10, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = t38 * t31
+    t40 = (1/(L**2*n_batch**2)) * (t39 * t22).sum()
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    return (t21, t28, t37, t41,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1351,10 +1569,16 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t12 = X * t11.transpose(0, 2, 1)
+    t13 = t3 * t3
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
+    t16 = (np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))
+    t17 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    t0[...] = (np.reshape((np.reshape(t17, (d_ff, 1, L*n_batch)) @ np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V))), (d_ff, d_V))).transpose(1, 0)
     return out
 
 
@@ -1375,9 +1599,15 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t11 = t2 * t2
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t11, (n_batch, L, d_ff, 1)) * np.reshape(t10, (n_batch, L, 1, 1))), (n_batch, L, d_ff))
+    t14 = (np.reshape(t9.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
+    t15 = np.reshape((np.reshape(t14, (d_ff, d_V**2)) @ np.reshape(t12.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t13.transpose(2, 0, 1)).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -1399,12 +1629,17 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t12, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t15 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t16 = np.reshape((np.reshape(t14, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = ((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t15, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t18 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1425,11 +1660,21 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
@@ -1451,11 +1696,14 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t13 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t14 = ((np.reshape(t13, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t15 = t6.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1476,10 +1724,17 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t14 = (t13.transpose(2, 3, 0, 1) @ t9)
+    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V*d_ff)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -1503,10 +1758,10 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t13 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
+    t14 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1530,8 +1785,10 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
+    t12 = oe.contract('abcc,abc->ab', dA, t5)
+    return (1/(L*n_batch)) * (t12 * t11).sum()
 
 
 def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
@@ -1555,14 +1812,17 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t16 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
+    t17 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t18 = np.reshape((np.reshape(t16, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
+    t19 = ((np.reshape(t18.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t20 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1585,13 +1845,20 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t19 = (t18.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V*d_ff)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1615,10 +1882,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t13 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1642,10 +1909,15 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
@@ -1676,8 +1948,8 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = (1/n_batch) * t4
-    t16 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t17 = oe.contract('abc,acd->bdac', t15, t6, optimize=[(0, 1)])
+    t16 = G.transpose(2, 0, 1)
+    t17 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t3 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
@@ -1687,8 +1959,8 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t22 = np.swapaxes(t5, -1, -2)
     t23 = np.swapaxes(t6, -1, -2)
     t24 = (1/n_batch) * t21
-    t25 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t26 = oe.contract('abc,adc->dbac', t24, t23, optimize=[(0, 1)])
+    t25 = X.transpose(2, 0, 1)
+    t26 = ((np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t20 += oe.contract('abc,debc->dea', t25, t26, optimize=[(0, 1)])
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
@@ -1748,14 +2020,22 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = np.swapaxes(t1, -1, -2)
-    t15 = np.swapaxes(t2, -1, -2)
-    t16 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t15, X, t13, t15, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return (0.0, t12, t17, 0.0,)
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = (n_batch**(-2)) * (t14 * t13).sum()
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    t17 = np.swapaxes(G, -1, -2)
+    t18 = np.swapaxes(t1, -1, -2)
+    t19 = np.swapaxes(t2, -1, -2)
+    t20 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t19.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = (n_batch**(-2)) * (t23 * t22).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return (0.0, t16, t25, 0.0,)
 
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -1823,8 +2103,8 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (1/L) * t11
     G = t12
     t13 = (1/n_batch) * t2
-    t14 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t15 = oe.contract('abc,acd->bdac', t13, t4, optimize=[(0, 1)])
+    t14 = G.transpose(2, 0, 1)
+    t15 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -1849,9 +2129,13 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = (n_batch**(-2)) * (t14 * t13).sum()
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -1901,8 +2185,8 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t13 = np.heaviside(t4, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/n_batch) * t11
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t17 = oe.contract('abc,adc->dbac', t15, t14, optimize=[(0, 1)])
+    t16 = X.transpose(2, 0, 1)
+    t17 = ((np.reshape(t14.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1929,9 +2213,13 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = np.swapaxes(t2, -1, -2)
     t11 = np.heaviside(t2, 0.0)
     t12 = np.swapaxes(t11, -1, -2)
-    t13 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t12, X, t9, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t13 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t13
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = (n_batch**(-2)) * (t16 * t15).sum()
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -1974,47 +2262,56 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
-    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t16 = np.reshape(t15, (d_V, d_ff, d_ff, d_V), copy=False)
-    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
-    t19 = np.einsum('abbc->abc', t16)
+    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t19 = X.transpose(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
+    t22 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t23 = ((np.reshape(t16, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t24 = t7.transpose(2, 0, 1)
+    t25 = np.einsum('abbc->abc', t21)
     F = t8
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t6 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = (1/n_batch) * t2
-    t26 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t27 = oe.contract('abc,acd->bdac', t25, t4, optimize=[(0, 1)])
-    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
-    t19 += oe.contract('abc,debc->dea', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t29 = np.reshape(t28, (d_ff, d_V, d_V, d_ff), copy=False)
-    t30 = np.swapaxes(t3, -1, -2)
-    t31 = np.swapaxes(t7, -1, -2)
-    t32 = (1/(L*n_batch)) * t31
-    t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t34 = np.einsum('abca->abc', t29)
-    t35 = np.swapaxes(G, -1, -2)
-    t36 = np.swapaxes(t4, -1, -2)
-    t37 = (1/n_batch) * t35
-    t38 = oe.contract('abc,adc->dbac', t37, t36, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
-    t34 += oe.contract('abc,debc->dea', t14, t38, optimize=[(0, 1)])
-    t39 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t40 = np.reshape(t39, (d_ff, d_V, d_ff, d_V), copy=False)
-    t41 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t42 = oe.contract('abc,acd->bdac', t32, t7, optimize=[(0, 1)])
-    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t6 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = (1/n_batch) * t2
+    t32 = G.transpose(2, 0, 1)
+    t33 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('abc,debc->dea', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
+    t36 = np.swapaxes(t3, -1, -2)
+    t37 = np.swapaxes(t7, -1, -2)
+    t38 = (1/(L*n_batch)) * t37
+    t39 = np.reshape((t11.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
+    t40 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t41 = np.reshape((np.reshape(t39, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
+    t42 = ((np.reshape(t41.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t40, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t43 = np.einsum('abca->abc', t35)
+    t44 = np.swapaxes(G, -1, -2)
+    t45 = np.swapaxes(t4, -1, -2)
+    t46 = (1/n_batch) * t44
+    t47 = ((np.reshape(t45.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t35[...] = oe.contract('abcde,fde->abfc', t42, t19, optimize=[(0, 1)])
+    t43 += oe.contract('abc,debc->dea', t19, t47, optimize=[(0, 1)])
+    t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
+    t50 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t51 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
     return H
 
 
@@ -2082,28 +2379,65 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t12
+    t24 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t25 = (t24.transpose(2, 3, 0, 1) @ t10)
+    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V*d_ff)) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     F = t6
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t4 * A13
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = np.swapaxes(t1, -1, -2)
-    t20 = np.swapaxes(t5, -1, -2)
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = np.swapaxes(t2, -1, -2)
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t20, t4, dA, t9, t2, X, t20, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t20, t4, dA, t9, t2, X, t21, t22, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t21, t22, X, t21, t22, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t4, dA, t5, t20, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return (t11, t18, t24, t26,)
+    t27 = np.exp(F - F.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = t4 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = t5 * t2
+    t33 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, n_batch, L, d_ff))
+    t35 = np.reshape((np.reshape(t34.transpose(2, 3, 4, 0, 1), (n_batch, L, d_ff, L*n_batch, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, n_batch, L))
+    t36 = np.reshape((np.reshape(t35.transpose(3, 4, 0, 1, 2), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t32, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t37 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t37 * t12
+    t39 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = (1/(L**2*n_batch**2)) * (t26 * t23).sum() + (2/(L*n_batch**2)) * (t36 * t12.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t39 * t38).sum()
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = np.swapaxes(t1, -1, -2)
+    t43 = np.swapaxes(t5, -1, -2)
+    t44 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t43.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t45 = t13 * t44
+    t46 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t47 = (t46.transpose(1, 2, 0, 3) @ t10.transpose(0, 1, 3, 2))
+    t48 = np.reshape((np.reshape(t47, (L*n_batch, d_V*d_ff)) @ np.reshape(t47.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t49 = np.swapaxes(G, -1, -2)
+    t50 = np.swapaxes(t2, -1, -2)
+    t51 = t2 * t43.transpose(0, 2, 1)
+    t52 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ np.reshape(t49.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, d_ff, n_batch, L))
+    t53 = np.reshape((np.reshape(t52.transpose(2, 3, 4, 0, 1), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t50.transpose(1, 0, 2), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t54 = np.reshape((np.reshape(t53.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t51, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t55 = np.reshape((np.reshape(t49.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t49.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t56 = np.reshape((np.reshape(t50.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t50.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t57 = t56 * t55
+    t58 = (1/(L**2*n_batch**2)) * (t48 * t45).sum() + (2/(L*n_batch**2)) * (t54 * t13.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t13 * t57).sum()
+    t59 = np.sqrt(np.maximum(t58, 0.0))
+    t60 = np.reshape((np.reshape(t10, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t61 = t60 * t44
+    t62 = (1/(L**2*n_batch**2)) * (t61 * t22).sum()
+    t63 = np.sqrt(np.maximum(t62, 0.0))
+    return (t21, t41, t59, t63,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2125,10 +2459,16 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t12 = X * t11.transpose(0, 2, 1)
+    t13 = t3 * t3
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
+    t16 = (np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))
+    t17 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    t0[...] = (np.reshape((np.reshape(t17, (d_ff, 1, L*n_batch)) @ np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V))), (d_ff, d_V))).transpose(1, 0)
     return out
 
 
@@ -2149,9 +2489,15 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t11 = t2 * t2
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t11, (n_batch, L, d_ff, 1)) * np.reshape(t10, (n_batch, L, 1, 1))), (n_batch, L, d_ff))
+    t14 = (np.reshape(t9.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
+    t15 = np.reshape((np.reshape(t14, (d_ff, d_V**2)) @ np.reshape(t12.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t13.transpose(2, 0, 1)).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -2173,12 +2519,17 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t12, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t15 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t16 = np.reshape((np.reshape(t14, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = ((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t15, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t18 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2199,11 +2550,21 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
@@ -2225,23 +2586,26 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
-    t13 = np.einsum('abbc->abc', t0)
+    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t13 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t14 = ((np.reshape(t13, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t15 = t6.transpose(2, 0, 1)
+    t16 = np.einsum('abbc->abc', t0)
     F = t7
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (1/n_batch) * t1
-    t20 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t21 = oe.contract('abc,acd->bdac', t19, t3, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
-    t13 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t5 * A18
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (1/n_batch) * t1
+    t23 = G.transpose(2, 0, 1)
+    t24 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
+    t16 += oe.contract('abc,debc->dea', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2262,17 +2626,32 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t14 = (t13.transpose(2, 3, 0, 1) @ t9)
+    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V*d_ff)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     F = t6
-    t9 = np.exp(F - F.max(-1, keepdims=True))
-    A10 = t9 / t9.sum(-1, keepdims=True)
-    t11 = t4 * A10
-    t12 = t11 - Y
-    t13 = (1/L) * t12
-    G = t13
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t4 * A17
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t5 * t2
+    t22 = np.reshape((np.reshape(t9, (L*d_V*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, n_batch, L, d_ff))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 3, 4, 0, 1), (n_batch, L, d_ff, L*n_batch, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 4, 0, 1, 2), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t21, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t26 * t10
+    t28 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = (1/(L**2*n_batch**2)) * (t15 * t12).sum() + (2/(L*n_batch**2)) * (t25 * t10.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t28 * t27).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2296,10 +2675,10 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t13 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
+    t14 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2323,8 +2702,10 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
+    t12 = oe.contract('abcc,abc->ab', dA, t5)
+    return (1/(L*n_batch)) * (t12 * t11).sum()
 
 
 def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
@@ -2348,26 +2729,29 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t18 = np.einsum('abca->abc', t0)
+    t16 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
+    t17 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t18 = np.reshape((np.reshape(t16, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
+    t19 = ((np.reshape(t18.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t20 = X.transpose(2, 0, 1)
+    t21 = np.einsum('abca->abc', t0)
     F = t9
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t6 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = (1/n_batch) * t24
-    t26 = oe.contract('abc,adc->dbac', t25, t13, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
-    t18 += oe.contract('abc,debc->dea', t17, t26, optimize=[(0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t6 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = (1/n_batch) * t27
+    t29 = ((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
+    t21 += oe.contract('abc,debc->dea', t20, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2390,21 +2774,36 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t19 = (t18.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V*d_ff)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t19, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t12, X, t19, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t5 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = t13 * t3.transpose(0, 2, 1)
+    t28 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ np.reshape(t26.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, d_ff, n_batch, L))
+    t30 = np.reshape((np.reshape(t29.transpose(2, 3, 4, 0, 1), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0, 2), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t31 = np.reshape((np.reshape(t30.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t27, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t26.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t26.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t33 * t32
+    t35 = (1/(L**2*n_batch**2)) * (t20 * t17).sum() + (2/(L*n_batch**2)) * (t31 * t16.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t16 * t34).sum()
+    t36 = np.sqrt(np.maximum(t35, 0.0))
+    return t36
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2428,10 +2827,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t13 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2455,10 +2854,15 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
@@ -2478,13 +2882,23 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = t10 + 0.0 + 0.0
-    t12 = np.sqrt(np.maximum(t10, 0.0))
-    t13 = np.sqrt(np.maximum(t11, 0.0))
-    return (t12, 0.0, t13,)
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = t20 + 0.0 + 0.0
+    t22 = np.sqrt(np.maximum(t20, 0.0))
+    t23 = np.sqrt(np.maximum(t21, 0.0))
+    return (t22, 0.0, t23,)
 
 
 def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -2504,22 +2918,37 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t14 = (t13.transpose(2, 3, 0, 1) @ t9)
+    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V*d_ff)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
     F = t6
-    t10 = np.exp(F - F.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = t4 * A11
-    t13 = t12 - Y
-    t14 = (1/L) * t13
-    G = t14
-    t15 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = t9 + t15 + t16
-    t18 = np.sqrt(np.maximum(t9, 0.0))
-    t19 = np.sqrt(np.maximum(t15, 0.0))
-    t20 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, t19, t20,)
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t4 * A18
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t10
+    t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = (n_batch**(-2)) * (t24 * t23).sum()
+    t26 = t5 * t2
+    t27 = np.reshape((np.reshape(t9, (L*d_V*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, n_batch, L, d_ff))
+    t29 = np.reshape((np.reshape(t28.transpose(2, 3, 4, 0, 1), (n_batch, L, d_ff, L*n_batch, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, n_batch, L))
+    t30 = np.reshape((np.reshape(t29.transpose(3, 4, 0, 1, 2), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t26, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t31 = (2/(L*n_batch**2)) * (t30 * t10.transpose(2, 3, 0, 1)).sum()
+    t32 = t16 + t25 + t31
+    t33 = np.sqrt(np.maximum(t16, 0.0))
+    t34 = np.sqrt(np.maximum(t25, 0.0))
+    t35 = np.sqrt(np.maximum(t32, 0.0))
+    return (t33, t34, t35,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -2541,26 +2970,41 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t19 = (t18.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V*d_ff)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
     F = t8
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t5 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t12, X, t20, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t20, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
-    t23 = t14 + t21 + t22
-    t24 = np.sqrt(np.maximum(t14, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t5 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t29 * t28
+    t31 = (n_batch**(-2)) * (t16 * t30).sum()
+    t32 = t13 * t3.transpose(0, 2, 1)
+    t33 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, d_ff, n_batch, L))
+    t35 = np.reshape((np.reshape(t34.transpose(2, 3, 4, 0, 1), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0, 2), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t35.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t32, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
+    t37 = (2/(L*n_batch**2)) * (t36 * t16.transpose(2, 3, 0, 1)).sum()
+    t38 = t21 + t31 + t37
+    t39 = np.sqrt(np.maximum(t21, 0.0))
+    t40 = np.sqrt(np.maximum(t31, 0.0))
+    t41 = np.sqrt(np.maximum(t38, 0.0))
+    return (t39, t40, t41,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -2582,12 +3026,17 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t12 = t11 + 0.0 + 0.0
-    t13 = np.sqrt(np.maximum(t11, 0.0))
-    t14 = np.sqrt(np.maximum(t12, 0.0))
-    return (t13, 0.0, t14,)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
+    t17 = t16 + 0.0 + 0.0
+    t18 = np.sqrt(np.maximum(t16, 0.0))
+    t19 = np.sqrt(np.maximum(t17, 0.0))
+    return (t18, 0.0, t19,)
 
 
 VARIANTS = {

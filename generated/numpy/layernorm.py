@@ -110,16 +110,19 @@ def mse__hessian__outer(X, Y):
     t13 = np.ones((d_V, d_V), dtype=Y.dtype)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * M_Z
+    t16 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t13, S, optimize=[(0, 1)])
+    S17 = (2/(L*d_V)) * ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t13.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t18 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t15.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t15, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = np.ones((L,), dtype=Y.dtype)
+    S19 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t18.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = oe.contract('ab,c->cab', t12, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t18, optimize=[(0, 1)])
-    t2 += oe.contract('abc,acd,ade->abe', S16, S17, S19, optimize=[(0, 1), (0, 1)])
+    S21 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t20, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t20, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t22 = (S19.transpose(0, 2, 1) @ S17.transpose(0, 2, 1))
+    t2 += (t22.transpose(0, 2, 1) @ S21)
     return H
 
 
@@ -189,18 +192,23 @@ def mse__frobenius_all__outer(X, Y):
     t10 = np.ones((d_V, d_V), dtype=Y.dtype)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t10.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = np.ones((L,), dtype=Y.dtype)
+    S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18,)
+    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    t20 = (S18 @ S18.transpose(0, 2, 1))
+    t21 = (t20 @ t19)
+    t22 = (t21 * t19).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23,)
 
 
 def mse__diag__X__outer(X, Y):
@@ -226,16 +234,19 @@ def mse__diag__X__outer(X, Y):
     t11 = np.ones((d_V, d_V), dtype=Y.dtype)
     t12 = (-0.5 * (sigma2_Z ** -1.5))
     t13 = t12 * M_Z
+    t14 = (np.reshape(t11, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t14.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t13.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t11, S, optimize=[(0, 1)])
+    S15 = (2/(L*d_V)) * ((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t14.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t13.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t11.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t16 = (np.reshape(t11, (d_V, d_V, 1)) * np.reshape(t13.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t13, t11, M_Z, optimize=[(0, 1), (0, 1)])
-    t16 = np.ones((L,), dtype=Y.dtype)
+    S17 = ((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t18 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = oe.contract('ab,c->cab', t10, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t11, t16, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,acd,adb->ab', S14, S15, S17, optimize=[(0, 1), (0, 1)])
+    S19 = (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t18, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t11, (d_V**2, 1)) * np.reshape(t18, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t20 = (S17.transpose(0, 2, 1) @ S15.transpose(0, 2, 1))
+    t0[...] = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S19.transpose(0, 2, 1), (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -260,16 +271,19 @@ def mse__trace__X__outer(X, Y):
     t10 = np.ones((d_V, d_V), dtype=Y.dtype)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t10.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = np.ones((L,), dtype=Y.dtype)
+    S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    return oe.contract('abc,acd,adb->', S13, S14, S16, optimize=[(0, 1), (0, 1)])
+    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    return (t19 * S18).sum()
 
 
 def mse__block__X__X__outer(X, Y):
@@ -297,16 +311,19 @@ def mse__block__X__X__outer(X, Y):
     t12 = np.ones((d_V, d_V), dtype=Y.dtype)
     t13 = (-0.5 * (sigma2_Z ** -1.5))
     t14 = t13 * M_Z
+    t15 = (np.reshape(t12, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t14.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t12, S, optimize=[(0, 1)])
+    S16 = (2/(L*d_V)) * ((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t14.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t12.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t17 = (np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t14.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t14, t12, M_Z, optimize=[(0, 1), (0, 1)])
-    t17 = np.ones((L,), dtype=Y.dtype)
+    S18 = ((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t17.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t19 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = oe.contract('ab,c->cab', t11, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t12, t17, optimize=[(0, 1)])
-    t1 += oe.contract('abc,acd,ade->abe', S15, S16, S18, optimize=[(0, 1), (0, 1)])
+    S20 = (np.reshape((np.reshape(t11, (d_V**2, 1)) * np.reshape(t19, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t19, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t21 = (S18.transpose(0, 2, 1) @ S16.transpose(0, 2, 1))
+    t1 += (t21.transpose(0, 2, 1) @ S20)
     return out
 
 
@@ -331,18 +348,23 @@ def mse__frobenius__X__X__outer(X, Y):
     t10 = np.ones((d_V, d_V), dtype=Y.dtype)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t10.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = np.ones((L,), dtype=Y.dtype)
+    S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    t20 = (S18 @ S18.transpose(0, 2, 1))
+    t21 = (t20 @ t19)
+    t22 = (t21 * t19).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse__hessian__functional(X, Y):
@@ -380,19 +402,21 @@ def mse__hessian__functional(X, Y):
     t19 = np.eye(d_V, dtype=Y.dtype)
     t20 = t11 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    t22 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t21.transpose(1, 0), (d_V, 1, d_V)))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t25 = (np.reshape(t21, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
+    S26 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t20.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S24, optimize=[(0, 1)])
-    t26 = np.ones((L,), dtype=Y.dtype)
+    S27 = (2/d_V) * (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t20.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S26.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t28 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t19, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t26, optimize=[(0, 1)])
-    t28 = (1/n_batch) * S27
-    t2 += oe.contract('abcd,bde->bce', S25, t28, optimize=[(0, 1)])
+    S29 = (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t28, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t28, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t30 = (1/n_batch) * S29
+    t2 += ((t30.transpose(0, 2, 1) @ S27.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return H
 
 
@@ -481,20 +505,24 @@ def mse__frobenius_all__functional(X, Y):
     t16 = np.eye(d_V, dtype=Y.dtype)
     t17 = t8 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S23 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = np.ones((L,), dtype=Y.dtype)
+    S24 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S23.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return (t26,)
+    S26 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t27 = (S26.transpose(0, 2, 1) @ S24.sum((0,)).transpose(0, 2, 1))
+    t28 = (t27.transpose(0, 2, 1) @ S26.transpose(0, 2, 1))
+    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -529,19 +557,21 @@ def mse__diag__X__functional(X, Y):
     t17 = np.eye(d_V, dtype=Y.dtype)
     t18 = t9 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t20 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t19.transpose(1, 0), (d_V, 1, d_V)))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t23 = (np.reshape(t19, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S24 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t18.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S22, optimize=[(0, 1)])
-    t24 = np.ones((L,), dtype=Y.dtype)
+    S25 = (2/d_V) * (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t18.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S24.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
-    t26 = (1/n_batch) * S25
-    t0[...] = oe.contract('abcd,bdc->bc', S23, t26, optimize=[(0, 1)])
+    S27 = (np.reshape((np.reshape(t17, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t28 = (1/n_batch) * S27
+    t0[...] = np.reshape((np.reshape(t28.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S25.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -575,18 +605,20 @@ def mse__trace__X__functional(X, Y):
     t16 = np.eye(d_V, dtype=Y.dtype)
     t17 = t8 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S23 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = np.ones((L,), dtype=Y.dtype)
+    S24 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S23.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S22, S24, optimize=[(0, 1)])
+    S26 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    return (1/n_batch) * (S26 * S24.sum((0,)).transpose(0, 2, 1)).sum()
 
 
 def mse__block__X__X__functional(X, Y):
@@ -623,19 +655,21 @@ def mse__block__X__X__functional(X, Y):
     t18 = np.eye(d_V, dtype=Y.dtype)
     t19 = t10 * G
     t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    t21 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, d_V)))
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape(t20, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
+    S25 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S23, optimize=[(0, 1)])
-    t25 = np.ones((L,), dtype=Y.dtype)
+    S26 = (2/d_V) * (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t27 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,c->cab', t18, t25, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t25, optimize=[(0, 1)])
-    t27 = (1/n_batch) * S26
-    t1 += oe.contract('abcd,bde->bce', S24, t27, optimize=[(0, 1)])
+    S28 = (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t27, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t27, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t29 = (1/n_batch) * S28
+    t1 += ((t29.transpose(0, 2, 1) @ S26.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return out
 
 
@@ -669,20 +703,24 @@ def mse__frobenius__X__X__functional(X, Y):
     t16 = np.eye(d_V, dtype=Y.dtype)
     t17 = t8 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S23 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = np.ones((L,), dtype=Y.dtype)
+    S24 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S23.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    S26 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t27 = (S26.transpose(0, 2, 1) @ S24.sum((0,)).transpose(0, 2, 1))
+    t28 = (t27.transpose(0, 2, 1) @ S26.transpose(0, 2, 1))
+    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def mse__hessian__full(X, Y):
@@ -720,24 +758,30 @@ def mse__hessian__full(X, Y):
     t19 = np.eye(d_V, dtype=Y.dtype)
     t20 = t11 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    t22 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t21.transpose(1, 0), (d_V, 1, d_V)))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t11 * M_Z
+    S = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t25 = (np.reshape(t21, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t26 = t11 * M_Z
+    t27 = (np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t26.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t21, M_Z, optimize=[(0, 1), (0, 1)])
+    S28 = ((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t27.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t29 = np.reshape((np.reshape(S28, (L, d_V, d_V, 1)) * np.reshape(t26, (L, d_V, 1, 1))), (L, d_V, d_V))
+    t30 = np.reshape((np.reshape(t29, (L, d_V**2, 1)) * np.reshape(M_Z, (L, 1, d_V))), (L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
+    S31 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t20.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t21, t24, optimize=[(0, 1), (0, 1)])
+    S32 = ((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t25.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t26.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t33 = np.reshape((np.reshape(S32.transpose(0, 2, 1), (L*d_V, d_V)) @ t21.transpose(1, 0)), (L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t21, t24, S25, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S25, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S26, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t21, S27, S25, optimize=[(0, 1), (0, 1)])
-    t29 = np.ones((L,), dtype=Y.dtype)
+    S34 = (2/d_V) * (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t20.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t30.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t21, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S28, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S31.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t33.transpose(0, 2, 1) @ S28)
+    t35 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('ab,c->cab', t19, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t29, optimize=[(0, 1)])
-    t31 = (1/n_batch) * S30
-    t2 += oe.contract('abcd,bde->bce', S28, t31, optimize=[(0, 1)])
+    S36 = (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t35, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t35, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t37 = (1/n_batch) * S36
+    t2 += ((t37.transpose(0, 2, 1) @ S34.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return H
 
 
@@ -837,25 +881,33 @@ def mse__frobenius_all__full(X, Y):
     t16 = np.eye(d_V, dtype=Y.dtype)
     t17 = t8 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t21 = t8 * M_Z
+    S = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t23 = t8 * M_Z
+    t24 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = ((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t24.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t26 = np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(t23, (L, d_V, 1, 1))), (L, d_V, d_V))
+    t27 = np.reshape((np.reshape(t26, (L, d_V**2, 1)) * np.reshape(M_Z, (L, 1, d_V))), (L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S28 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    S29 = ((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t22.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t30 = np.reshape((np.reshape(S29.transpose(0, 2, 1), (L*d_V, d_V)) @ t18.transpose(1, 0)), (L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = np.ones((L,), dtype=Y.dtype)
+    S31 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t27.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t18, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.transpose(0, 2, 1) @ S25)
+    t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
-    t29 = np.sqrt(np.maximum(t28, 0.0))
-    return (t29,)
+    S33 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t34 = (S33.transpose(0, 2, 1) @ S31.sum((0,)).transpose(0, 2, 1))
+    t35 = (t34.transpose(0, 2, 1) @ S33.transpose(0, 2, 1))
+    t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return (t37,)
 
 
 def mse__diag__X__full(X, Y):
@@ -890,24 +942,30 @@ def mse__diag__X__full(X, Y):
     t17 = np.eye(d_V, dtype=Y.dtype)
     t18 = t9 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t20 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t19.transpose(1, 0), (d_V, 1, d_V)))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t22 = t9 * M_Z
+    S = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t23 = (np.reshape(t19, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t24 = t9 * M_Z
+    t25 = (np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t24.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    S26 = ((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t25.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t27 = np.reshape((np.reshape(S26, (L, d_V, d_V, 1)) * np.reshape(t24, (L, d_V, 1, 1))), (L, d_V, d_V))
+    t28 = np.reshape((np.reshape(t27, (L, d_V**2, 1)) * np.reshape(M_Z, (L, 1, d_V))), (L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S29 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t18.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
+    S30 = ((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t23.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t24.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t31 = np.reshape((np.reshape(S30.transpose(0, 2, 1), (L*d_V, d_V)) @ t19.transpose(1, 0)), (L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S32 = (2/d_V) * (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t18.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t28.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t19, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S26, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S29.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t31.transpose(0, 2, 1) @ S26)
+    t33 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
-    t29 = (1/n_batch) * S28
-    t0[...] = oe.contract('abcd,bdc->bc', S26, t29, optimize=[(0, 1)])
+    S34 = (np.reshape((np.reshape(t17, (d_V**2, 1)) * np.reshape(t33, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t33, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t35 = (1/n_batch) * S34
+    t0[...] = np.reshape((np.reshape(t35.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S32.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -941,23 +999,29 @@ def mse__trace__X__full(X, Y):
     t16 = np.eye(d_V, dtype=Y.dtype)
     t17 = t8 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t21 = t8 * M_Z
+    S = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t23 = t8 * M_Z
+    t24 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = ((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t24.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t26 = np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(t23, (L, d_V, 1, 1))), (L, d_V, d_V))
+    t27 = np.reshape((np.reshape(t26, (L, d_V**2, 1)) * np.reshape(M_Z, (L, 1, d_V))), (L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S28 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    S29 = ((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t22.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t30 = np.reshape((np.reshape(S29.transpose(0, 2, 1), (L*d_V, d_V)) @ t18.transpose(1, 0)), (L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = np.ones((L,), dtype=Y.dtype)
+    S31 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t27.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t18, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.transpose(0, 2, 1) @ S25)
+    t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S25, S27, optimize=[(0, 1)])
+    S33 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    return (1/n_batch) * (S33 * S31.sum((0,)).transpose(0, 2, 1)).sum()
 
 
 def mse__block__X__X__full(X, Y):
@@ -994,24 +1058,30 @@ def mse__block__X__X__full(X, Y):
     t18 = np.eye(d_V, dtype=Y.dtype)
     t19 = t10 * G
     t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    t21 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, d_V)))
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
-    t23 = t10 * M_Z
+    S = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape(t20, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t25 = t10 * M_Z
+    t26 = (np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t25.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t23, t20, M_Z, optimize=[(0, 1), (0, 1)])
+    S27 = ((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t26.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t28 = np.reshape((np.reshape(S27, (L, d_V, d_V, 1)) * np.reshape(t25, (L, d_V, 1, 1))), (L, d_V, d_V))
+    t29 = np.reshape((np.reshape(t28, (L, d_V**2, 1)) * np.reshape(M_Z, (L, 1, d_V))), (L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
+    S30 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
+    S31 = ((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t24.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t25.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t32 = np.reshape((np.reshape(S31.transpose(0, 2, 1), (L*d_V, d_V)) @ t20.transpose(1, 0)), (L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t20, t23, S24, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S24, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S25, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t20, S26, S24, optimize=[(0, 1), (0, 1)])
-    t28 = np.ones((L,), dtype=Y.dtype)
+    S33 = (2/d_V) * (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t29.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t20, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S27, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S30.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t32.transpose(0, 2, 1) @ S27)
+    t34 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t18, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t28, optimize=[(0, 1)])
-    t30 = (1/n_batch) * S29
-    t1 += oe.contract('abcd,bde->bce', S27, t30, optimize=[(0, 1)])
+    S35 = (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t34, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t34, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t36 = (1/n_batch) * S35
+    t1 += ((t36.transpose(0, 2, 1) @ S33.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return out
 
 
@@ -1045,25 +1115,33 @@ def mse__frobenius__X__X__full(X, Y):
     t16 = np.eye(d_V, dtype=Y.dtype)
     t17 = t8 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t21 = t8 * M_Z
+    S = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t23 = t8 * M_Z
+    t24 = (np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = ((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t24.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t26 = np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(t23, (L, d_V, 1, 1))), (L, d_V, d_V))
+    t27 = np.reshape((np.reshape(t26, (L, d_V**2, 1)) * np.reshape(M_Z, (L, 1, d_V))), (L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S28 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    S29 = ((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t22.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t30 = np.reshape((np.reshape(S29.transpose(0, 2, 1), (L*d_V, d_V)) @ t18.transpose(1, 0)), (L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = np.ones((L,), dtype=Y.dtype)
+    S31 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t27.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t18, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.transpose(0, 2, 1) @ S25)
+    t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
-    t29 = np.sqrt(np.maximum(t28, 0.0))
-    return t29
+    S33 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t34 = (S33.transpose(0, 2, 1) @ S31.sum((0,)).transpose(0, 2, 1))
+    t35 = (t34.transpose(0, 2, 1) @ S33.transpose(0, 2, 1))
+    t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return t37
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1087,41 +1165,52 @@ def mse__frobenius_split__X__X(X, Y):
     t10 = np.ones((d_V, d_V), dtype=Y.dtype)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t13.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0) + (-2/(L*d_V**2)) * (np.reshape((np.reshape(S.transpose(0, 2, 1), (L*d_V, d_V)) @ t10.transpose(1, 0)), (L, d_V, d_V))).transpose(0, 2, 1)
+    t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = np.ones((L,), dtype=Y.dtype)
+    S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = M_Z * P_Z
-    Z = t18
+    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    t20 = (S18 @ S18.transpose(0, 2, 1))
+    t21 = (t20 @ t19)
+    t22 = (t21 * t19).sum()
+    t23 = M_Z * P_Z
+    Z = t23
     F = Z
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = t11 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t24 = t11 * G
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = t11 * G * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = t11 * G
+    t30 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t10.transpose(1, 0), (d_V, 1, d_V)))
+    t31 = (0.75 * (sigma2_Z ** -2.5))
+    t32 = t31 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t10, M_Z, optimize=[(1, 2), (0, 1)])
+    S33 = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(t29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t30.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t32.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)])
+    S34 = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(t28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t30.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t29.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S29, S16, S29, S16, optimize=[(0, 1), (1, 2), (0, 1)])
-    t31 = (2/n_batch) * oe.contract('abc,acd,ade,fabg,age->', S13, S14, S16, S29, S16, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t32 = t17 + t30 + t31
-    t33 = np.sqrt(np.maximum(t17, 0.0))
-    t34 = np.sqrt(np.maximum(t30, 0.0))
-    t35 = np.sqrt(np.maximum(t32, 0.0))
-    return (t33, t34, t35,)
+    S35 = (2/d_V) * (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(t28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t30.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t29.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S34.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t36 = (S18.transpose(0, 2, 1) @ S35.sum((0,)).transpose(0, 2, 1))
+    t37 = (t36.transpose(0, 2, 1) @ S18.transpose(0, 2, 1))
+    t38 = (n_batch**(-2)) * (t37 * S35.sum((0,))).sum()
+    t39 = (S35.sum((0,)).transpose(0, 2, 1) @ S14)
+    t40 = (S18.transpose(0, 2, 1) @ S16.transpose(0, 2, 1))
+    t41 = (t40.transpose(0, 2, 1) @ S18.transpose(0, 2, 1))
+    t42 = (2/n_batch) * (t41 * t39.transpose(0, 2, 1)).sum()
+    t43 = t22 + t38 + t42
+    t44 = np.sqrt(np.maximum(t22, 0.0))
+    t45 = np.sqrt(np.maximum(t38, 0.0))
+    t46 = np.sqrt(np.maximum(t43, 0.0))
+    return (t44, t45, t46,)
 
 
 def jacobian__X(X):
@@ -1149,7 +1238,7 @@ def jacobian__X(X):
     t14 = t9
     t15 = (2/d_V) * M_Z
     np.multiply(t14[:, :, None], t15[:, None, :], out=t13)
-    t16 = (-2/d_V**2) * oe.contract('ab,ac->ab', t9, M_Z, optimize=[(0, 1)])
+    t16 = (-2/d_V**2) * np.reshape((np.reshape(M_Z.sum((1,)), (L, 1, 1)) * np.reshape(t9, (L, 1, d_V))), (L, d_V))
     t13 += t16[:, :, None]
     t17 = np.einsum('...abab->...ab', t12)
     t18 = P_Z
@@ -1183,7 +1272,7 @@ def jacobian_compact__X(X):
     t13 = t9
     t14 = (2/d_V) * M_Z
     np.multiply(t13[:, :, None], t14[:, None, :], out=t12)
-    t15 = (-2/d_V**2) * oe.contract('ab,ac->ab', t9, M_Z, optimize=[(0, 1)])
+    t15 = (-2/d_V**2) * np.reshape((np.reshape(M_Z.sum((1,)), (L, 1, 1)) * np.reshape(t9, (L, 1, d_V))), (L, d_V))
     t12 += t15[:, :, None]
     t16 = (-1/d_V) * P_Z
     t12 += t16[:, :, None]
@@ -1294,24 +1383,28 @@ def ce__hessian__outer(X, Y):
     t16 = np.ones((d_V, d_V), dtype=Y.dtype)
     t17 = (-0.5 * (sigma2_Z ** -1.5))
     t18 = t17 * t4 * M_Z
+    t19 = (np.reshape(t16, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t16, t18, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t18.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (1/L) * oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t16, t18, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t16, S, optimize=[(0, 1)])
-    t20 = M_Z * P_Z
-    Z = t20
-    t21 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t21 / t21.sum(-1, keepdims=True)
+    S20 = (1/L) * (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t19.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t18.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t21 = M_Z * P_Z
+    Z = t21
+    t22 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t22 / t22.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t15, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t22 = t17 * M_Z
+    dA = ((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t23 = t17 * M_Z
+    t24 = (np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t24 = np.ones((L,), dtype=Y.dtype)
+    S25 = ((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t24.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,c->cab', t15, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t24, optimize=[(0, 1)])
-    t26 = (1/n_batch) * dA
-    t2 += oe.contract('abcd,bde,bef,bfg->bcg', S19, t26, S23, S25, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = (np.reshape((np.reshape(t15, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t28 = (1/n_batch) * dA
+    t29 = (t28.transpose(0, 2, 1) @ S20.sum((0,)).transpose(0, 2, 1))
+    t30 = (S27.transpose(0, 2, 1) @ S25.transpose(0, 2, 1))
+    t2 += ((t30 @ t29)).transpose(0, 2, 1)
     return H
 
 
@@ -1392,25 +1485,32 @@ def ce__frobenius_all__outer(X, Y):
     t13 = np.ones((d_V, d_V), dtype=Y.dtype)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t18 / t18.sum(-1, keepdims=True)
+    S17 = (1/L) * (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = np.ones((L,), dtype=Y.dtype)
+    S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24,)
+    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t27 = (S24 @ S24.transpose(0, 2, 1))
+    t28 = (t27 @ t26)
+    t29 = (t28 @ t25.transpose(0, 2, 1))
+    t30 = (n_batch**(-2)) * (t29 * t26).sum()
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    return (t31,)
 
 
 def ce__diag__X__outer(X, Y):
@@ -1439,24 +1539,28 @@ def ce__diag__X__outer(X, Y):
     t14 = np.ones((d_V, d_V), dtype=Y.dtype)
     t15 = (-0.5 * (sigma2_Z ** -1.5))
     t16 = t15 * t2 * M_Z
+    t17 = (np.reshape(t14, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t14, t16, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t17.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t16.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t14, t16, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t14, S, optimize=[(0, 1)])
-    t18 = M_Z * P_Z
-    Z = t18
-    t19 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t19 / t19.sum(-1, keepdims=True)
+    S18 = (1/L) * (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t17.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t16.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t19 = M_Z * P_Z
+    Z = t19
+    t20 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t20 / t20.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t13, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t20 = t15 * M_Z
+    dA = ((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t21 = t15 * M_Z
+    t22 = (np.reshape(t14, (d_V, d_V, 1)) * np.reshape(t21.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t20, t14, M_Z, optimize=[(0, 1), (0, 1)])
-    t22 = np.ones((L,), dtype=Y.dtype)
+    S23 = ((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t22.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t24 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,c->cab', t13, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t22, optimize=[(0, 1)])
-    t24 = (1/n_batch) * dA
-    t0[...] = oe.contract('abcd,bde,bef,bfc->bc', S17, t24, S21, S23, optimize=[(1, 2), (1, 2), (0, 1)])
+    S25 = (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t24, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t14, (d_V**2, 1)) * np.reshape(t24, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t26 = (1/n_batch) * dA
+    t27 = (S23.transpose(0, 2, 1) @ t26.transpose(0, 2, 1))
+    t28 = (t27.transpose(0, 2, 1) @ S25)
+    t0[...] = np.reshape((np.reshape(t28.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S18.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -1484,23 +1588,27 @@ def ce__trace__X__outer(X, Y):
     t13 = np.ones((d_V, d_V), dtype=Y.dtype)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t18 / t18.sum(-1, keepdims=True)
+    S17 = (1/L) * (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = np.ones((L,), dtype=Y.dtype)
+    S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bde,bef,bfc->', S16, dA, S20, S22, optimize=[(1, 2), (1, 2), (0, 1)])
+    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t25 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t26 = (t25.transpose(0, 2, 1) @ S24)
+    return (1/n_batch) * (t26 * S17.sum((0,)).transpose(0, 2, 1)).sum()
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1531,24 +1639,28 @@ def ce__block__X__X__outer(X, Y):
     t15 = np.ones((d_V, d_V), dtype=Y.dtype)
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * t3 * M_Z
+    t18 = (np.reshape(t15, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t15, t17, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t18.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t17.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (1/L) * oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t15, t17, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t15, S, optimize=[(0, 1)])
-    t19 = M_Z * P_Z
-    Z = t19
-    t20 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t20 / t20.sum(-1, keepdims=True)
+    S19 = (1/L) * (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t18.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t17.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t20 = M_Z * P_Z
+    Z = t20
+    t21 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t21 / t21.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t21 = t16 * M_Z
+    dA = ((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t22 = t16 * M_Z
+    t23 = (np.reshape(t15, (d_V, d_V, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t15, M_Z, optimize=[(0, 1), (0, 1)])
-    t23 = np.ones((L,), dtype=Y.dtype)
+    S24 = ((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t23.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t14, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t23, optimize=[(0, 1)])
-    t25 = (1/n_batch) * dA
-    t1 += oe.contract('abcd,bde,bef,bfg->bcg', S18, t25, S22, S24, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = (np.reshape((np.reshape(t14, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t15, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t27 = (1/n_batch) * dA
+    t28 = (t27.transpose(0, 2, 1) @ S19.sum((0,)).transpose(0, 2, 1))
+    t29 = (S26.transpose(0, 2, 1) @ S24.transpose(0, 2, 1))
+    t1 += ((t29 @ t28)).transpose(0, 2, 1)
     return out
 
 
@@ -1576,25 +1688,32 @@ def ce__frobenius__X__X__outer(X, Y):
     t13 = np.ones((d_V, d_V), dtype=Y.dtype)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t18 / t18.sum(-1, keepdims=True)
+    S17 = (1/L) * (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = np.ones((L,), dtype=Y.dtype)
+    S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t27 = (S24 @ S24.transpose(0, 2, 1))
+    t28 = (t27 @ t26)
+    t29 = (t28 @ t25.transpose(0, 2, 1))
+    t30 = (n_batch**(-2)) * (t29 * t26).sum()
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    return t31
 
 
 def ce__hessian__functional(X, Y):
@@ -1637,19 +1756,21 @@ def ce__hessian__functional(X, Y):
     t23 = np.eye(d_V, dtype=Y.dtype)
     t24 = t11 * G
     t25 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    t26 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t25.transpose(1, 0), (d_V, 1, d_V)))
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t25, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t28.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t29 = (np.reshape(t25, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)])
+    S30 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S28, optimize=[(0, 1)])
-    t30 = np.ones((L,), dtype=Y.dtype)
+    S31 = (2/d_V) * (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S30.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('ab,c->cab', t23, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t30, optimize=[(0, 1)])
-    t32 = (1/n_batch) * S31
-    t2 += oe.contract('abcd,bde->bce', S29, t32, optimize=[(0, 1)])
+    S33 = (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t34 = (1/n_batch) * S33
+    t2 += ((t34.transpose(0, 2, 1) @ S31.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return H
 
 
@@ -1748,20 +1869,24 @@ def ce__frobenius_all__functional(X, Y):
     t20 = np.eye(d_V, dtype=Y.dtype)
     t21 = t8 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t23 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, d_V)))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t25.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S27 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S28 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30,)
+    S30 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t31 = (S30.transpose(0, 2, 1) @ S28.sum((0,)).transpose(0, 2, 1))
+    t32 = (t31.transpose(0, 2, 1) @ S30.transpose(0, 2, 1))
+    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    return (t34,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1801,19 +1926,21 @@ def ce__diag__X__functional(X, Y):
     t21 = np.eye(d_V, dtype=Y.dtype)
     t22 = t9 * G
     t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    t24 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, d_V)))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t26.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t27 = (np.reshape(t23, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
+    S28 = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
-    t28 = np.ones((L,), dtype=Y.dtype)
+    S29 = (2/d_V) * (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t30 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
-    t30 = (1/n_batch) * S29
-    t0[...] = oe.contract('abcd,bdc->bc', S27, t30, optimize=[(0, 1)])
+    S31 = (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t30, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t30, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t32 = (1/n_batch) * S31
+    t0[...] = np.reshape((np.reshape(t32.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S29.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -1852,18 +1979,20 @@ def ce__trace__X__functional(X, Y):
     t20 = np.eye(d_V, dtype=Y.dtype)
     t21 = t8 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t23 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, d_V)))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t25.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S27 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S28 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S26, S28, optimize=[(0, 1)])
+    S30 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    return (1/n_batch) * (S30 * S28.sum((0,)).transpose(0, 2, 1)).sum()
 
 
 def ce__block__X__X__functional(X, Y):
@@ -1905,19 +2034,21 @@ def ce__block__X__X__functional(X, Y):
     t22 = np.eye(d_V, dtype=Y.dtype)
     t23 = t10 * G
     t24 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    t25 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t24.transpose(1, 0), (d_V, 1, d_V)))
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t24, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t27.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t28 = (np.reshape(t24, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)])
+    S29 = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S27, optimize=[(0, 1)])
-    t29 = np.ones((L,), dtype=Y.dtype)
+    S30 = (2/d_V) * (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S29.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t31 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('ab,c->cab', t22, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t29, optimize=[(0, 1)])
-    t31 = (1/n_batch) * S30
-    t1 += oe.contract('abcd,bde->bce', S28, t31, optimize=[(0, 1)])
+    S32 = (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t31, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t24, (d_V**2, 1)) * np.reshape(t31, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t33 = (1/n_batch) * S32
+    t1 += ((t33.transpose(0, 2, 1) @ S30.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return out
 
 
@@ -1956,20 +2087,24 @@ def ce__frobenius__X__X__functional(X, Y):
     t20 = np.eye(d_V, dtype=Y.dtype)
     t21 = t8 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t23 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, d_V)))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t25.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S27 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = np.ones((L,), dtype=Y.dtype)
+    S28 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return t30
+    S30 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t31 = (S30.transpose(0, 2, 1) @ S28.sum((0,)).transpose(0, 2, 1))
+    t32 = (t31.transpose(0, 2, 1) @ S30.transpose(0, 2, 1))
+    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    return t34
 
 
 def ce__hessian__full(X, Y):
@@ -2012,30 +2147,37 @@ def ce__hessian__full(X, Y):
     t23 = np.eye(d_V, dtype=Y.dtype)
     t24 = t11 * G
     t25 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t26 = t13 * P_Z
-    t27 = np.exp(Z - Z.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
+    t26 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t25.transpose(1, 0), (d_V, 1, d_V)))
+    t27 = t13 * P_Z
+    t28 = np.exp(Z - Z.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A28, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A28, A28, optimize=[(0, 1)])
-    t29 = t11 * M_Z
+    dA = ((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A29.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A29, (L, d_V, 1)) * np.reshape(A29, (L, 1, d_V)))).transpose(0, 2, 1)
+    t30 = t11 * M_Z
+    t31 = (np.reshape(t25, (d_V, d_V, 1)) * np.reshape(t30.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t29, t25, M_Z, optimize=[(0, 1), (0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S = ((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t31.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t32 = (S.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t33 = (0.75 * (sigma2_Z ** -2.5))
+    t34 = t33 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t25, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t11 * t13 * M_Z
+    S35 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t34.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t36 = (np.reshape(t25, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t37 = t11 * t13 * M_Z
+    t38 = (np.reshape(t32.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t37.transpose(1, 2, 0), (L, d_V, 1, n_batch)))
+    t39 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t26, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t25, t33, optimize=[(0, 1), (0, 1)])
+    S40 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t36.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t37.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
+    t41 = np.reshape((np.reshape(S40.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)])
+    S42 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t36.transpose(2, 0, 1) @ np.reshape(S35.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t26, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t25, t33, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t25, S34, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S35, optimize=[(0, 1)])
-    t37 = np.ones((L,), dtype=Y.dtype)
+    S43 = (2/d_V) * (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t32.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t27.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t36.transpose(2, 0, 1) @ np.reshape(S35.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t39.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t32 @ np.reshape(t41.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S42.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t44 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = oe.contract('ab,c->cab', t23, t37, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t37, optimize=[(0, 1)])
-    t39 = (1/n_batch) * S38
-    t2 += oe.contract('abcd,bde->bce', S36, t39, optimize=[(0, 1)])
+    S45 = (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t44, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t44, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t46 = (1/n_batch) * S45
+    t2 += ((t46.transpose(0, 2, 1) @ S43.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return H
 
 
@@ -2145,31 +2287,40 @@ def ce__frobenius_all__full(X, Y):
     t20 = np.eye(d_V, dtype=Y.dtype)
     t21 = t8 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = t10 * P_Z
-    t24 = np.exp(Z - Z.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
+    t23 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, d_V)))
+    t24 = t10 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t8 * M_Z
+    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))).transpose(0, 2, 1)
+    t27 = t8 * M_Z
+    t28 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t27.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t28.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t29 = (S.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t30 = t8 * t10 * M_Z
+    S32 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t31.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t33 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t34 = t8 * t10 * M_Z
+    t35 = (np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t34.transpose(1, 2, 0), (L, d_V, 1, n_batch)))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 2, 3, 1), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
+    S37 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t33.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t34.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
+    t38 = np.reshape((np.reshape(S37.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
+    S39 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = np.ones((L,), dtype=Y.dtype)
+    S40 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t36.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t29 @ np.reshape(t38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t41 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    return (t37,)
+    S42 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t43 = (S42.transpose(0, 2, 1) @ S40.sum((0,)).transpose(0, 2, 1))
+    t44 = (t43.transpose(0, 2, 1) @ S42.transpose(0, 2, 1))
+    t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return (t46,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2209,30 +2360,37 @@ def ce__diag__X__full(X, Y):
     t21 = np.eye(d_V, dtype=Y.dtype)
     t22 = t9 * G
     t23 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t24 = t11 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
+    t24 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, d_V)))
+    t25 = t11 * P_Z
+    t26 = np.exp(Z - Z.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t9 * M_Z
+    dA = ((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A27.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A27, (L, d_V, 1)) * np.reshape(A27, (L, 1, d_V)))).transpose(0, 2, 1)
+    t28 = t9 * M_Z
+    t29 = (np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t28.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
+    S = ((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t29.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t30 = (S.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t31 = (0.75 * (sigma2_Z ** -2.5))
+    t32 = t31 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
-    t31 = t9 * t11 * M_Z
+    S33 = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t32.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t34 = (np.reshape(t23, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t35 = t9 * t11 * M_Z
+    t36 = (np.reshape(t30.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t35.transpose(1, 2, 0), (L, d_V, 1, n_batch)))
+    t37 = np.reshape((np.reshape(t36.transpose(0, 2, 3, 1), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
+    S38 = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t34.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t35.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
+    t39 = np.reshape((np.reshape(S38.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
+    S40 = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t34.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
-    t35 = np.ones((L,), dtype=Y.dtype)
+    S41 = (2/d_V) * (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t30.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t25.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t34.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t37.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t30 @ np.reshape(t39.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S40.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t42 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
-    t37 = (1/n_batch) * S36
-    t0[...] = oe.contract('abcd,bdc->bc', S34, t37, optimize=[(0, 1)])
+    S43 = (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t42, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t42, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t44 = (1/n_batch) * S43
+    t0[...] = np.reshape((np.reshape(t44.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S41.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -2271,29 +2429,36 @@ def ce__trace__X__full(X, Y):
     t20 = np.eye(d_V, dtype=Y.dtype)
     t21 = t8 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = t10 * P_Z
-    t24 = np.exp(Z - Z.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
+    t23 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, d_V)))
+    t24 = t10 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t8 * M_Z
+    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))).transpose(0, 2, 1)
+    t27 = t8 * M_Z
+    t28 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t27.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t28.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t29 = (S.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t30 = t8 * t10 * M_Z
+    S32 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t31.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t33 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t34 = t8 * t10 * M_Z
+    t35 = (np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t34.transpose(1, 2, 0), (L, d_V, 1, n_batch)))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 2, 3, 1), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
+    S37 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t33.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t34.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
+    t38 = np.reshape((np.reshape(S37.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
+    S39 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = np.ones((L,), dtype=Y.dtype)
+    S40 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t36.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t29 @ np.reshape(t38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t41 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S33, S35, optimize=[(0, 1)])
+    S42 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    return (1/n_batch) * (S42 * S40.sum((0,)).transpose(0, 2, 1)).sum()
 
 
 def ce__block__X__X__full(X, Y):
@@ -2335,30 +2500,37 @@ def ce__block__X__X__full(X, Y):
     t22 = np.eye(d_V, dtype=Y.dtype)
     t23 = t10 * G
     t24 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t25 = t12 * P_Z
-    t26 = np.exp(Z - Z.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
+    t25 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t24.transpose(1, 0), (d_V, 1, d_V)))
+    t26 = t12 * P_Z
+    t27 = np.exp(Z - Z.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A27, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
-    t28 = t10 * M_Z
+    dA = ((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A28.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A28, (L, d_V, 1)) * np.reshape(A28, (L, 1, d_V)))).transpose(0, 2, 1)
+    t29 = t10 * M_Z
+    t30 = (np.reshape(t24, (d_V, d_V, 1)) * np.reshape(t29.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t24, M_Z, optimize=[(0, 1), (0, 1)])
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
+    S = ((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t30.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t31 = (S.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t32 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t24, M_Z, optimize=[(1, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
+    S34 = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t33.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t35 = (np.reshape(t24, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t36 = t10 * t12 * M_Z
+    t37 = (np.reshape(t31.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t36.transpose(1, 2, 0), (L, d_V, 1, n_batch)))
+    t38 = np.reshape((np.reshape(t37.transpose(0, 2, 3, 1), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t25, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t24, t32, optimize=[(0, 1), (0, 1)])
+    S39 = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t35.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t36.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
+    t40 = np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)])
+    S41 = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t35.transpose(2, 0, 1) @ np.reshape(S34.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t25, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t24, t32, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t24, S33, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S34, optimize=[(0, 1)])
-    t36 = np.ones((L,), dtype=Y.dtype)
+    S42 = (2/d_V) * (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t31.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t26.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t35.transpose(2, 0, 1) @ np.reshape(S34.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t38.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t31 @ np.reshape(t40.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S41.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t43 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = oe.contract('ab,c->cab', t22, t36, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t36, optimize=[(0, 1)])
-    t38 = (1/n_batch) * S37
-    t1 += oe.contract('abcd,bde->bce', S35, t38, optimize=[(0, 1)])
+    S44 = (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t43, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t24, (d_V**2, 1)) * np.reshape(t43, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t45 = (1/n_batch) * S44
+    t1 += ((t45.transpose(0, 2, 1) @ S42.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
     return out
 
 
@@ -2397,31 +2569,40 @@ def ce__frobenius__X__X__full(X, Y):
     t20 = np.eye(d_V, dtype=Y.dtype)
     t21 = t8 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = t10 * P_Z
-    t24 = np.exp(Z - Z.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
+    t23 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, d_V)))
+    t24 = t10 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t8 * M_Z
+    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))).transpose(0, 2, 1)
+    t27 = t8 * M_Z
+    t28 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t27.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t28.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t29 = (S.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t30 = t8 * t10 * M_Z
+    S32 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t31.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
+    t33 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
+    t34 = t8 * t10 * M_Z
+    t35 = (np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t34.transpose(1, 2, 0), (L, d_V, 1, n_batch)))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 2, 3, 1), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
+    S37 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t33.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t34.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
+    t38 = np.reshape((np.reshape(S37.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
+    S39 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = np.ones((L,), dtype=Y.dtype)
+    S40 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t36.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t29 @ np.reshape(t38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t41 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    return t37
+    S42 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t43 = (S42.transpose(0, 2, 1) @ S40.sum((0,)).transpose(0, 2, 1))
+    t44 = (t43.transpose(0, 2, 1) @ S42.transpose(0, 2, 1))
+    t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return t46
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2448,49 +2629,61 @@ def ce__frobenius_split__X__X(X, Y):
     t13 = np.ones((d_V, d_V), dtype=Y.dtype)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t18 / t18.sum(-1, keepdims=True)
+    S17 = (1/L) * (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/(L*d_V)) * ((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(t15.transpose(2, 1, 0), (d_V, L, 1, n_batch)))).transpose(3, 1, 2, 0) + (-1/(L*d_V)) * (np.reshape((np.reshape(S.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = np.ones((L,), dtype=Y.dtype)
+    S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
+    t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
+    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t27 = (S24 @ S24.transpose(0, 2, 1))
+    t28 = (t27 @ t26)
+    t29 = (t28 @ t25.transpose(0, 2, 1))
+    t30 = (n_batch**(-2)) * (t29 * t26).sum()
     F = Z
-    t24 = np.exp(F - F.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = t1 * A25
-    t27 = t26 - Y
-    t28 = (1/L) * t27
-    G = t28
-    t29 = t14 * G * M_Z
-    t30 = t29.sum(-1, keepdims=True)
-    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
-    t32 = t14 * G
-    t33 = (0.75 * (sigma2_Z ** -2.5))
-    t34 = t33 * G * M_Z
+    t31 = np.exp(F - F.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t1 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t14 * G * M_Z
+    t37 = t36.sum(-1, keepdims=True)
+    t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
+    t39 = t14 * G
+    t40 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t13.transpose(1, 0), (d_V, 1, d_V)))
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t13, M_Z, optimize=[(1, 2), (0, 1)])
+    S43 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t39.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t40.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t42.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)])
+    S44 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t38.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + ((np.reshape(t40.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t39.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S43.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/d_V) * oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S36, optimize=[(0, 1)])
-    t38 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S37, S22, S37, S22, optimize=[(0, 1), (1, 2), (0, 1)])
-    t39 = (2/n_batch**2) * oe.contract('abcd,bde,bef,bfg,hbci,big->', S16, dA, S20, S22, S37, S22, optimize=[(0, 4), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t40 = t23 + t38 + t39
-    t41 = np.sqrt(np.maximum(t23, 0.0))
-    t42 = np.sqrt(np.maximum(t38, 0.0))
-    t43 = np.sqrt(np.maximum(t40, 0.0))
-    return (t41, t42, t43,)
+    S45 = (2/d_V) * (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t38.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t40.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t39.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S43.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S44.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
+    t46 = (S24.transpose(0, 2, 1) @ S45.sum((0,)).transpose(0, 2, 1))
+    t47 = (t46.transpose(0, 2, 1) @ S24.transpose(0, 2, 1))
+    t48 = (n_batch**(-2)) * (t47 * S45.sum((0,))).sum()
+    t49 = (S45.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t50 = (t27.transpose(0, 2, 1) @ t49)
+    t51 = (2/n_batch**2) * (t50 * t26).sum()
+    t52 = t30 + t48 + t51
+    t53 = np.sqrt(np.maximum(t30, 0.0))
+    t54 = np.sqrt(np.maximum(t48, 0.0))
+    t55 = np.sqrt(np.maximum(t52, 0.0))
+    return (t53, t54, t55,)
 
 
 VARIANTS = {

@@ -99,8 +99,8 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t14 = t12.transpose(1, 2, 0)
+    t15 = t13.transpose(1, 2, 0)
     t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
@@ -109,8 +109,8 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(t11, -1, -2)
     t21 = t20 @ X
     t22 = (2/(L*d_K*d_V*n_batch)) * t19
-    t23 = oe.contract('abc->bca', t22, optimize=[(0,)])
-    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t23 = t22.transpose(1, 2, 0)
+    t24 = t21.transpose(1, 2, 0)
     t17[...] = oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
@@ -122,16 +122,16 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t31 = np.swapaxes(t7, -1, -2)
     t32 = t5 @ t31
     t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t30
-    t34 = oe.contract('abc->bca', t32, optimize=[(0,)])
-    t35 = oe.contract('abc->bca', t33, optimize=[(0,)])
+    t34 = t32.transpose(1, 2, 0)
+    t35 = t33.transpose(1, 2, 0)
     t26[...] = oe.contract('abc,dec->daeb', t34, t35, optimize=[(0, 1)])
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
     t38 = np.swapaxes(t21, -1, -2)
     t39 = np.swapaxes(t19, -1, -2)
     t40 = (2/(L*d_K*d_V*n_batch)) * t38
-    t41 = oe.contract('abc->bca', t40, optimize=[(0,)])
-    t42 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t41 = t40.transpose(1, 2, 0)
+    t42 = t39.transpose(1, 2, 0)
     t37[...] = oe.contract('abc,dec->adeb', t41, t42, optimize=[(0, 1)])
     t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
@@ -140,32 +140,32 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t47 = np.swapaxes(t18, -1, -2)
     t48 = t47 @ t18
     t49 = (2/(L*d_K*d_V*n_batch)) * t46
-    t50 = oe.contract('abc->bca', t48, optimize=[(0,)])
-    t51 = oe.contract('abc->bca', t49, optimize=[(0,)])
+    t50 = t48.transpose(1, 2, 0)
+    t51 = t49.transpose(1, 2, 0)
     t44[...] = oe.contract('abc,dec->daeb', t50, t51, optimize=[(0, 1)])
     t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
     t54 = t2 @ t31
     t55 = t47 @ t29
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
-    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
-    t58 = oe.contract('abc->bca', t55, optimize=[(0,)])
+    t57 = t56.transpose(1, 2, 0)
+    t58 = t55.transpose(1, 2, 0)
     t53[...] = oe.contract('abc,dec->adeb', t57, t58, optimize=[(0, 1)])
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
     t61 = np.swapaxes(t30, -1, -2)
     t62 = np.swapaxes(t32, -1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t61
-    t64 = oe.contract('abc->bca', t62, optimize=[(0,)])
-    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
+    t64 = t62.transpose(1, 2, 0)
+    t65 = t63.transpose(1, 2, 0)
     t60[...] = oe.contract('abc,dec->daeb', t64, t65, optimize=[(0, 1)])
     t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
     t68 = np.swapaxes(t55, -1, -2)
     t69 = np.swapaxes(t54, -1, -2)
     t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
-    t71 = oe.contract('abc->bca', t70, optimize=[(0,)])
-    t72 = oe.contract('abc->bca', t69, optimize=[(0,)])
+    t71 = t70.transpose(1, 2, 0)
+    t72 = t69.transpose(1, 2, 0)
     t67[...] = oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t73[...] = 0
@@ -175,7 +175,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = t76 @ t29
     t78 = np.ones((d_V,), dtype=X.dtype)
     t79 = (2/(L*d_V*n_batch)) * t78
-    t80 = oe.contract('abc->bc', t77, optimize=[(0,)])
+    t80 = t77.sum((0,))
     t75 += oe.contract('ab,c->acb', t80, t79, optimize=[(0, 1)])
     return H
 
@@ -238,50 +238,66 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = X @ W_Q
-    t14 = t0 @ t13
-    t15 = np.swapaxes(t9, -1, -2)
-    t16 = t15 @ X
-    t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t16, t14, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = t13 @ t3
-    t20 = (1/math.sqrt(d_K)) * t19
-    T = t20
-    t21 = T @ X
-    t22 = t0 @ t21
-    t23 = np.swapaxes(t5, -1, -2)
-    t24 = t3 @ t23
-    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t24, t22, t24, optimize=[(0, 2), (0, 1), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = np.swapaxes(t16, -1, -2)
-    t28 = np.swapaxes(t14, -1, -2)
-    t29 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t28, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = t7 @ X
-    t32 = t0 @ t31
-    t33 = np.swapaxes(t13, -1, -2)
-    t34 = t33 @ t13
-    t35 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t32, t34, t32, t34, optimize=[(0, 2), (0, 1), (0, 1)])
-    t36 = np.sqrt(np.maximum(t35, 0.0))
-    t37 = t0 @ t23
-    t38 = t33 @ t21
-    t39 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t37, t38, t37, t38, optimize=[(0, 2), (0, 1), (0, 1)])
-    t40 = np.sqrt(np.maximum(t39, 0.0))
-    t41 = np.swapaxes(t22, -1, -2)
-    t42 = np.swapaxes(t24, -1, -2)
-    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    t45 = np.swapaxes(t38, -1, -2)
-    t46 = np.swapaxes(t37, -1, -2)
-    t47 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t45, t46, t45, t46, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = np.sqrt(np.maximum(t47, 0.0))
-    t49 = np.swapaxes(t21, -1, -2)
-    t50 = t49 @ t21
-    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
+    t11 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    t15 = X @ W_Q
+    t16 = t0 @ t15
+    t17 = np.swapaxes(t9, -1, -2)
+    t18 = t17 @ X
+    t19 = (np.reshape(t16, (n_batch, d_K*d_V)) @ np.reshape(t16.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t20 = (np.reshape(t18, (n_batch, d_K*d_V)) @ np.reshape(t18.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t20 * t19).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = t15 @ t3
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = T @ X
+    t26 = t0 @ t25
+    t27 = np.swapaxes(t5, -1, -2)
+    t28 = t3 @ t27
+    t29 = (np.reshape(t26, (n_batch, d_V**2)) @ np.reshape(t26.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t30 = (np.reshape(t28, (n_batch, d_K*d_V)) @ np.reshape(t28.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t31 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t30 * t29).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = np.swapaxes(t18, -1, -2)
+    t34 = np.swapaxes(t16, -1, -2)
+    t35 = (np.reshape(t33, (n_batch, d_K*d_V)) @ np.reshape(t33.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t36 = (np.reshape(t34, (n_batch, d_K*d_V)) @ np.reshape(t34.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t37 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t36 * t35).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    t39 = t7 @ X
+    t40 = t0 @ t39
+    t41 = np.swapaxes(t15, -1, -2)
+    t42 = t41 @ t15
+    t43 = (np.reshape(t40, (n_batch, d_V**2)) @ np.reshape(t40.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t44 = (np.reshape(t42, (n_batch, d_K**2)) @ np.reshape(t42.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t45 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t44 * t43).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    t47 = t0 @ t27
+    t48 = t41 @ t25
+    t49 = (np.reshape(t47, (n_batch, d_V**2)) @ np.reshape(t47.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t50 = (np.reshape(t48, (n_batch, d_K*d_V)) @ np.reshape(t48.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t51 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t50 * t49).sum()
     t52 = np.sqrt(np.maximum(t51, 0.0))
-    return (t12, t18, t26, t30, t36, t40, t44, t48, t52,)
+    t53 = np.swapaxes(t26, -1, -2)
+    t54 = np.swapaxes(t28, -1, -2)
+    t55 = (np.reshape(t53, (n_batch, d_V**2)) @ np.reshape(t53.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t56 = (np.reshape(t54, (n_batch, d_K*d_V)) @ np.reshape(t54.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t57 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t56 * t55).sum()
+    t58 = np.sqrt(np.maximum(t57, 0.0))
+    t59 = np.swapaxes(t48, -1, -2)
+    t60 = np.swapaxes(t47, -1, -2)
+    t61 = (np.reshape(t59, (n_batch, d_K*d_V)) @ np.reshape(t59.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t62 = (np.reshape(t60, (n_batch, d_V**2)) @ np.reshape(t60.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t63 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t62 * t61).sum()
+    t64 = np.sqrt(np.maximum(t63, 0.0))
+    t65 = np.swapaxes(t25, -1, -2)
+    t66 = t65 @ t25
+    t67 = (4/(L**2*d_V*n_batch**2)) * (t66.sum((0,)) * t66.sum((0,))).sum()
+    t68 = np.sqrt(np.maximum(t67, 0.0))
+    return (t14, t22, t32, t38, t46, t52, t58, t64, t68,)
 
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -304,8 +320,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -327,7 +343,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t1)
 
 
 def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -350,8 +366,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.transpose(1, 2, 0)
+    t14 = t12.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -373,9 +389,11 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -398,8 +416,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t5 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
-    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t13 = t12.transpose(1, 2, 0)
+    t14 = t11.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -421,9 +439,11 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t8 @ X
     t10 = t4 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = (np.reshape(t2, (n_batch, d_K*d_V)) @ np.reshape(t2.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K*d_V)) @ np.reshape(t10.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -446,8 +466,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t3 @ t9
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t12 = oe.contract('abc->bca', t10, optimize=[(0,)])
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t12 = t10.transpose(1, 2, 0)
+    t13 = t11.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -469,9 +489,11 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = X @ W_V
     t9 = t2 @ t8
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t10 = (np.reshape(t7, (n_batch, d_V**2)) @ np.reshape(t7.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t11 = (np.reshape(t9, (n_batch, d_K*d_V)) @ np.reshape(t9.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t11 * t10).sum()
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -494,8 +516,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -517,7 +539,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t6)
 
 
 def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -540,8 +562,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t1
     t11 = t10 @ X
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
-    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t13 = t12.transpose(1, 2, 0)
+    t14 = t11.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -563,9 +585,11 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(W_Q, -1, -2)
     t9 = t8 @ t0
     t10 = t9 @ X
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = (np.reshape(t7, (n_batch, d_K*d_V)) @ np.reshape(t7.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K*d_V)) @ np.reshape(t10.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -588,8 +612,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.transpose(1, 2, 0)
+    t14 = t12.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -611,9 +635,11 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = (np.reshape(t6, (n_batch, d_V**2)) @ np.reshape(t6.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -638,8 +664,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ X
     t12 = t5 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
-    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = t13.transpose(1, 2, 0)
+    t15 = t12.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -663,9 +689,11 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = T @ X
     t11 = t4 @ t10
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t12 = (np.reshape(t2, (n_batch, d_V**2)) @ np.reshape(t2.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t13 = (np.reshape(t11, (n_batch, d_K*d_V)) @ np.reshape(t11.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t13 * t12).sum()
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -689,7 +717,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t13 = oe.contract('abb->b', t10)
     t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -711,7 +739,7 @@ def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t9)
 
 
 def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -737,8 +765,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(t3, -1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t15 = t13.transpose(1, 2, 0)
+    t16 = t14.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -763,9 +791,11 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t0
     t11 = np.swapaxes(t2, -1, -2)
     t12 = t10 @ t11
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t13 = (np.reshape(t8, (n_batch, d_V**2)) @ np.reshape(t8.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t14 = (np.reshape(t12, (n_batch, d_K*d_V)) @ np.reshape(t12.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -791,8 +821,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t12 @ X
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
-    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = t14.transpose(1, 2, 0)
+    t16 = t13.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -817,9 +847,11 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
     t12 = t11 @ X
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t13 = (np.reshape(t9, (n_batch, d_K*d_V)) @ np.reshape(t9.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = (np.reshape(t12, (n_batch, d_V**2)) @ np.reshape(t12.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -845,7 +877,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t14 = t11.sum((0,))
     t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
     return out
 
@@ -867,7 +899,7 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
     t11 = np.sqrt(np.maximum(t10, 0.0))
     return t11
 
@@ -904,22 +936,22 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t20 = t17.sum((0,))
     t3 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
     t23 = t4 @ G
     t24 = t6 @ X
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t26 = oe.contract('abc->bca', t25, optimize=[(0,)])
-    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
+    t26 = t25.transpose(1, 2, 0)
+    t27 = t24.transpose(1, 2, 0)
     t22[...] = oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
     t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28[...] = 0
     t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
     t30 = np.einsum('abcb->abc', t29)
     t31 = np.swapaxes(t17, -1, -2)
-    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t32 = t31.sum((0,))
     t30 += oe.contract('ab,c->acb', t32, t19, optimize=[(0, 1)])
     t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33[...] = 0
@@ -930,21 +962,21 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t38 = t37 @ t4
     t39 = t38 @ G
     t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t41 = oe.contract('abc->bca', t39, optimize=[(0,)])
-    t42 = oe.contract('abc->bca', t40, optimize=[(0,)])
+    t41 = t39.transpose(1, 2, 0)
+    t42 = t40.transpose(1, 2, 0)
     t35[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
     t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
     t45 = np.swapaxes(t24, -1, -2)
     t46 = np.swapaxes(t23, -1, -2)
     t47 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t48 = oe.contract('abc->bca', t47, optimize=[(0,)])
-    t49 = oe.contract('abc->bca', t46, optimize=[(0,)])
+    t48 = t47.transpose(1, 2, 0)
+    t49 = t46.transpose(1, 2, 0)
     t44[...] = oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
     t52 = np.swapaxes(t39, -1, -2)
-    t53 = oe.contract('abc->bca', t52, optimize=[(0,)])
+    t53 = t52.transpose(1, 2, 0)
     t51[...] = oe.contract('abc,dec->daeb', t53, t42, optimize=[(0, 1)])
     t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t54[...] = 0
@@ -1024,29 +1056,36 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t11 = G @ t10
     t12 = t11 @ X
     t13 = t0 @ t12
-    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t14 = (n_batch**(-2)) * (t13.sum((0,)) * t13.sum((0,))).sum()
     t15 = np.sqrt(np.maximum(t14, 0.0))
     t16 = t0 @ G
     t17 = t2 @ X
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t16, t17, t16, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(t13, -1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = t0 @ X
-    t24 = np.swapaxes(W_Q, -1, -2)
-    t25 = t24 @ t0
-    t26 = t25 @ G
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t26, t23, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    t29 = np.swapaxes(t17, -1, -2)
-    t30 = np.swapaxes(t16, -1, -2)
-    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t30, t29, t30, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = (np.reshape(t16, (n_batch, d_V**2)) @ np.reshape(t16.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t19 = (np.reshape(t17, (n_batch, d_K*d_V)) @ np.reshape(t17.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = np.swapaxes(t13, -1, -2)
+    t23 = (n_batch**(-2)) * (t22.sum((0,)) * t22.sum((0,))).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = t0 @ X
+    t26 = np.swapaxes(W_Q, -1, -2)
+    t27 = t26 @ t0
+    t28 = t27 @ G
+    t29 = (np.reshape(t25, (n_batch, d_V**2)) @ np.reshape(t25.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t30 = (np.reshape(t28, (n_batch, d_K*d_V)) @ np.reshape(t28.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t31 = (1/(d_K*n_batch**2)) * (t30 * t29).sum()
     t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = np.swapaxes(t26, -1, -2)
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t33, t23, t33, optimize=[(0, 2), (0, 1), (0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    return (0.0, t15, t19, t22, 0.0, t28, t32, t35, 0.0,)
+    t33 = np.swapaxes(t17, -1, -2)
+    t34 = np.swapaxes(t16, -1, -2)
+    t35 = (np.reshape(t33, (n_batch, d_K*d_V)) @ np.reshape(t33.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t36 = (np.reshape(t34, (n_batch, d_V**2)) @ np.reshape(t34.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t37 = (1/(d_K*n_batch**2)) * (t36 * t35).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    t39 = np.swapaxes(t28, -1, -2)
+    t40 = (np.reshape(t39, (n_batch, d_K*d_V)) @ np.reshape(t39.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t29).sum()
+    t42 = np.sqrt(np.maximum(t41, 0.0))
+    return (0.0, t15, t21, t24, 0.0, t32, t38, t42, 0.0,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1118,7 +1157,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = np.ones((d_K,), dtype=X.dtype)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = oe.contract('abc->bc', t15, optimize=[(0,)])
+    t18 = t15.sum((0,))
     t1 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
     return out
 
@@ -1146,7 +1185,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G @ t10
     t12 = t11 @ X
     t13 = t0 @ t12
-    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t14 = (n_batch**(-2)) * (t13.sum((0,)) * t13.sum((0,))).sum()
     t15 = np.sqrt(np.maximum(t14, 0.0))
     return t15
 
@@ -1175,8 +1214,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = t1 @ G
     t12 = t3 @ X
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
-    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = t13.transpose(1, 2, 0)
+    t15 = t12.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -1202,9 +1241,11 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t9
     t10 = t0 @ G
     t11 = t2 @ X
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t10, t11, t10, t11, optimize=[(0, 2), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t12 = (np.reshape(t10, (n_batch, d_V**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t13 = (np.reshape(t11, (n_batch, d_K*d_V)) @ np.reshape(t11.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = (1/(d_K*n_batch**2)) * (t13 * t12).sum()
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1257,7 +1298,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = np.ones((d_K,), dtype=X.dtype)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abc->bc', t16, optimize=[(0,)])
+    t19 = t16.sum((0,))
     t1 += oe.contract('ab,c->acb', t19, t18, optimize=[(0, 1)])
     return out
 
@@ -1286,7 +1327,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = X @ t11
     t13 = t12 @ X
     t14 = t0 @ t13
-    t15 = (n_batch**(-2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
+    t15 = (n_batch**(-2)) * (t14.sum((0,)) * t14.sum((0,))).sum()
     t16 = np.sqrt(np.maximum(t15, 0.0))
     return t16
 
@@ -1337,8 +1378,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t4 @ G
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t16 = t14.transpose(1, 2, 0)
+    t17 = t15.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1366,9 +1407,11 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = t3 @ G
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t15 = (np.reshape(t13, (n_batch, d_K*d_V)) @ np.reshape(t13.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t16 = (1/(d_K*n_batch**2)) * (t15 * t14).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1416,8 +1459,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = t12 @ X
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = t14.transpose(1, 2, 0)
+    t16 = t13.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -1444,9 +1487,11 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t10
     t11 = np.swapaxes(G, -1, -2)
     t12 = t11 @ X
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t12, t2, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t13 = (np.reshape(t2, (n_batch, d_K*d_V)) @ np.reshape(t2.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = (np.reshape(t12, (n_batch, d_V**2)) @ np.reshape(t12.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t15 = (1/(d_K*n_batch**2)) * (t14 * t13).sum()
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1475,8 +1520,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = t12 @ t13
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t16 = t14.transpose(1, 2, 0)
+    t17 = t15.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1504,9 +1549,11 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = X @ W_Q
     t13 = t11 @ t12
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t15 = (np.reshape(t13, (n_batch, d_K*d_V)) @ np.reshape(t13.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t16 = (1/(d_K*n_batch**2)) * (t15 * t14).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1550,8 +1597,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t14 = t12.transpose(1, 2, 0)
+    t15 = t13.transpose(1, 2, 0)
     t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
@@ -1559,8 +1606,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(t11, -1, -2)
     t20 = t19 @ X
     t21 = (2/(L*d_K*d_V*n_batch)) * t2
-    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t22 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t23 = t20.transpose(1, 2, 0)
     t24 = np.einsum('abcb->abc', t17)
     t25 = t18 @ t5
     t26 = (1/math.sqrt(d_K)) * t25
@@ -1575,7 +1622,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
+    t35 = ((np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
     t17[...] = oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     t24 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -1583,11 +1630,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t5 @ X
     t39 = T @ X
     t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
-    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
+    t41 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t38.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
+    t42 = ((t39.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
-    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
+    t44 = ((G.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t45 = t38.transpose(1, 2, 0)
     t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
     t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
     t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -1597,12 +1644,12 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t50 = np.swapaxes(t18, -1, -2)
     t51 = t50 @ X
     t52 = (2/(L*d_K*d_V*n_batch)) * t48
-    t53 = oe.contract('abc,acd->bda', t52, t49, optimize=[(0, 1)])
-    t54 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t53 = ((t49.transpose(0, 2, 1) @ t52.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t54 = t51.transpose(1, 2, 0)
     t55 = np.einsum('abcb->abc', t47)
     t56 = np.swapaxes(G, -1, -2)
     t57 = t56 @ X
-    t58 = oe.contract('abc,acd->bd', t48, t57, optimize=[(0, 1)])
+    t58 = ((np.reshape(t57.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t48.transpose(0, 2, 1), (d_V*n_batch, d_V)))).transpose(1, 0)
     t47[...] = oe.contract('abc,dec->adeb', t53, t54, optimize=[(0, 1)])
     t55 += oe.contract('ab,c->acb', t58, t34, optimize=[(0, 1)])
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -1611,38 +1658,38 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t62 = t2 @ t61
     t63 = t50 @ t18
     t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
-    t66 = oe.contract('abc->bca', t64, optimize=[(0,)])
+    t65 = t63.transpose(1, 2, 0)
+    t66 = t64.transpose(1, 2, 0)
     t60[...] = oe.contract('abc,dec->daeb', t65, t66, optimize=[(0, 1)])
     t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t70 = oe.contract('abc,acd->bda', t69, G, optimize=[(0, 1)])
-    t71 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t70 = ((G.transpose(0, 2, 1) @ t69.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t71 = t3.transpose(1, 2, 0)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
-    t74 = oe.contract('abc,acd->bda', t72, t39, optimize=[(0, 1)])
+    t73 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))).transpose(2, 0, 1)
+    t74 = ((t39.transpose(0, 2, 1) @ t72.transpose(0, 2, 1))).transpose(2, 1, 0)
     t68[...] = oe.contract('abc,dec->daeb', t70, t71, optimize=[(0, 1)])
     t68 += oe.contract('abc,dec->adeb', t73, t74, optimize=[(0, 1)])
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
     t77 = np.swapaxes(T, -1, -2)
     t78 = t77 @ X
-    t79 = oe.contract('abc->bca', t49, optimize=[(0,)])
-    t80 = oe.contract('abc,acd->bda', t40, t78, optimize=[(0, 1)])
-    t81 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
-    t82 = oe.contract('abc->bca', t57, optimize=[(0,)])
+    t79 = t49.transpose(1, 2, 0)
+    t80 = ((t78.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t81 = ((t10.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t82 = t57.transpose(1, 2, 0)
     t76[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
     t76 += oe.contract('abc,dec->adeb', t81, t82, optimize=[(0, 1)])
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
     t85 = t56 @ t18
-    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
-    t87 = oe.contract('abc,acd->bda', t43, X, optimize=[(0, 1)])
+    t86 = t85.transpose(1, 2, 0)
+    t87 = ((X.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
     t88 = t77 @ t18
     t89 = np.swapaxes(t48, -1, -2)
-    t90 = oe.contract('abc,acd->bda', t40, t88, optimize=[(0, 1)])
-    t91 = oe.contract('abc->bca', t89, optimize=[(0,)])
+    t90 = ((t88.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t91 = t89.transpose(1, 2, 0)
     t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
     t84 += oe.contract('abc,dec->adeb', t90, t91, optimize=[(0, 1)])
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -1653,7 +1700,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t39
     t97 = np.ones((d_V,), dtype=X.dtype)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t99 = oe.contract('abc->bc', t96, optimize=[(0,)])
+    t99 = t96.sum((0,))
     t94 += oe.contract('ab,c->acb', t99, t98, optimize=[(0, 1)])
     return H
 
@@ -1739,58 +1786,113 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = W_Q @ t3
-    t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    T = t15
-    t16 = np.swapaxes(t5, -1, -2)
-    t17 = T @ t16
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G @ t5
-    t21 = t20 @ X
-    t22 = X @ W_Q
-    t23 = np.swapaxes(t9, -1, -2)
-    t24 = t23 @ X
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t21, t0, t22, t24, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t22, t24, t0, t22, t24, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = t3 @ X
-    t28 = T @ X
-    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t27, t28, W_V, t0, t27, t28, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t27, t28, W_V, t0, t27, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t27, G, t0, t27, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = t0 @ t16
-    t32 = np.swapaxes(G, -1, -2)
-    t33 = t32 @ X
-    t34 = t5 @ t8
-    t35 = np.swapaxes(t22, -1, -2)
-    t36 = t35 @ X
-    t37 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t31, t33, t31, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t31, t33, t31, t34, t36, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t31, t34, t36, t31, t34, t36, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    t39 = t7 @ X
-    t40 = t0 @ t39
-    t41 = t35 @ t22
-    t42 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t40, t41, t40, t41, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = np.sqrt(np.maximum(t42, 0.0))
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t35, G, t1, t35, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t35, G, t1, t35, W_V, t28, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t35, W_V, t28, t1, t35, W_V, t28, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t45 = np.sqrt(np.maximum(t44, 0.0))
-    t46 = np.swapaxes(T, -1, -2)
-    t47 = t46 @ X
-    t48 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t47, t34, t0, t47, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t47, t34, t0, t8, t33, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t33, t0, t8, t33, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t49 = np.sqrt(np.maximum(t48, 0.0))
-    t50 = t32 @ t22
-    t51 = t46 @ t22
-    t52 = np.swapaxes(t31, -1, -2)
-    t53 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t50, t0, t51, t52, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t51, t52, t0, t51, t52, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t54 = np.sqrt(np.maximum(t53, 0.0))
-    t55 = np.swapaxes(t28, -1, -2)
-    t56 = t55 @ t28
-    t57 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t56, t56, optimize=[(0, 1)])
-    t58 = np.sqrt(np.maximum(t57, 0.0))
-    return (t12, t26, t30, t38, t43, t45, t49, t54, t58,)
+    t11 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    t15 = W_Q @ t3
+    t16 = X @ t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    T = t17
+    t18 = np.swapaxes(t5, -1, -2)
+    t19 = T @ t18
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G @ t5
+    t23 = t22 @ X
+    t24 = (np.reshape(t23.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t25 = X @ W_Q
+    t26 = np.swapaxes(t9, -1, -2)
+    t27 = t26 @ X
+    t28 = (t27.transpose(0, 2, 1) @ t25.transpose(0, 2, 1))
+    t29 = np.reshape((t24 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t30 = (np.reshape(t27, (n_batch, d_K*d_V)) @ np.reshape(t27.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t25, (L*n_batch, d_K)) @ np.reshape(t25.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = np.reshape((np.reshape(t32.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t34 = (n_batch**(-2)) * (t24 * t24).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t29 * t28.transpose(1, 0, 2)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t33 * t30).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = t3 @ X
+    t37 = T @ X
+    t38 = np.reshape((np.reshape(t37, (L*n_batch, d_V)) @ np.reshape(t37.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = np.reshape((np.reshape(t38.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t40 = (W_V @ W_V.transpose(1, 0))
+    t41 = np.reshape((t40 @ np.reshape(t36.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t42 = (np.reshape(t41.transpose(1, 0, 2), (n_batch, d_K*d_V)) @ np.reshape(t36.transpose(2, 1, 0), (d_K*d_V, n_batch)))
+    t43 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_V.transpose(1, 0)), (n_batch, L, d_V))
+    t44 = np.reshape((np.reshape(t43, (L*n_batch, d_V)) @ np.reshape(t36.transpose(2, 0, 1), (d_V, d_K*n_batch))), (n_batch, L, n_batch, d_K))
+    t45 = np.reshape((np.reshape(t44, (n_batch, L*n_batch, d_K)) @ t36), (n_batch, L, n_batch, d_V))
+    t46 = np.reshape((np.reshape(t45.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ t37.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t47 = (np.reshape(t36, (n_batch, d_K*d_V)) @ np.reshape(t36.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t48 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t49 = np.reshape((np.reshape(t48.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t50 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t42 * t39.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t46 * t31.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t49 * t47).sum()
+    t51 = np.sqrt(np.maximum(t50, 0.0))
+    t52 = t0 @ t18
+    t53 = np.swapaxes(G, -1, -2)
+    t54 = t53 @ X
+    t55 = (np.reshape(t54.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t52.transpose(0, 2, 1), (d_V*n_batch, d_V)))
+    t56 = t5 @ t8
+    t57 = np.swapaxes(t25, -1, -2)
+    t58 = t57 @ X
+    t59 = (t56.transpose(0, 2, 1) @ t52.transpose(0, 2, 1))
+    t60 = (np.reshape(t59.transpose(2, 0, 1), (d_V, d_K*n_batch)) @ np.reshape(t58, (d_K*n_batch, d_V)))
+    t61 = (np.reshape(t58, (n_batch, d_K*d_V)) @ np.reshape(t58.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t62 = (np.reshape(t59, (n_batch, d_K*d_V)) @ np.reshape(t59.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t63 = (n_batch**(-2)) * (t55 * t55).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t60 * t55.transpose(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t62 * t61).sum()
+    t64 = np.sqrt(np.maximum(t63, 0.0))
+    t65 = t7 @ X
+    t66 = t0 @ t65
+    t67 = t57 @ t25
+    t68 = (np.reshape(t66, (n_batch, d_V**2)) @ np.reshape(t66.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t69 = (np.reshape(t67, (n_batch, d_K**2)) @ np.reshape(t67.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t70 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t69 * t68).sum()
+    t71 = np.sqrt(np.maximum(t70, 0.0))
+    t72 = np.reshape((np.reshape(t57.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t57.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t73 = np.reshape((np.reshape(t48.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t72.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t74 = np.reshape((W_V @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t75 = np.reshape((np.reshape(t37, (L*n_batch, d_V)) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t76 = np.reshape((np.reshape(t75, (n_batch, L*n_batch, d_V)) @ t1), (n_batch, L, n_batch, d_V))
+    t77 = (np.reshape(t76.transpose(2, 3, 0, 1), (n_batch, d_V, L*n_batch)) @ np.reshape(t72.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)))
+    t78 = np.reshape((np.reshape(t38.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t72.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t79 = np.reshape((t40 @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t80 = (np.reshape(t79.transpose(1, 0, 2), (n_batch, d_V**2)) @ np.reshape(t1.transpose(2, 1, 0), (d_V**2, n_batch)))
+    t81 = (1/(d_K*n_batch**2)) * (t73 * t11).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t77 * t74.transpose(1, 0, 2)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t80 * t78.transpose(1, 0)).sum()
+    t82 = np.sqrt(np.maximum(t81, 0.0))
+    t83 = np.swapaxes(T, -1, -2)
+    t84 = t83 @ X
+    t85 = (np.reshape(t56, (n_batch, d_K*d_V)) @ np.reshape(t56.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t86 = np.reshape((np.reshape(t84, (L*n_batch, d_V)) @ np.reshape(t84.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t87 = np.reshape((np.reshape(t86.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t88 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t56.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t89 = np.reshape((np.reshape(t88, (n_batch, L*n_batch, d_V)) @ t54), (n_batch, L, n_batch, d_V))
+    t90 = np.reshape((np.reshape(t89.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ t84.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t91 = (np.reshape(t54, (n_batch, d_V**2)) @ np.reshape(t54.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t92 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t93 = np.reshape((np.reshape(t92.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t94 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t87 * t85).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t90 * t31.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t93 * t91).sum()
+    t95 = np.sqrt(np.maximum(t94, 0.0))
+    t96 = t53 @ t25
+    t97 = (np.reshape(t96, (n_batch, d_K*d_V)) @ np.reshape(t96.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t98 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t99 = np.reshape((np.reshape(t98.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t100 = t83 @ t25
+    t101 = np.swapaxes(t52, -1, -2)
+    t102 = np.reshape((np.reshape(t100, (L*n_batch, d_K)) @ np.reshape(t96.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t103 = np.reshape((np.reshape(t102, (n_batch, L*n_batch, d_V)) @ t101), (n_batch, L, n_batch, d_V))
+    t104 = np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ X.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t105 = (np.reshape(t101, (n_batch, d_V**2)) @ np.reshape(t101.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t106 = np.reshape((np.reshape(t100, (L*n_batch, d_K)) @ np.reshape(t100.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t107 = np.reshape((np.reshape(t106.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t108 = (1/(d_K*n_batch**2)) * (t99 * t97).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t104 * t31.transpose(2, 0, 1, 3)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t107 * t105).sum()
+    t109 = np.sqrt(np.maximum(t108, 0.0))
+    t110 = np.swapaxes(t37, -1, -2)
+    t111 = t110 @ t37
+    t112 = (4/(L**2*d_V*n_batch**2)) * (t111.sum((0,)) * t111.sum((0,))).sum()
+    t113 = np.sqrt(np.maximum(t112, 0.0))
+    return (t14, t35, t51, t64, t71, t82, t95, t109, t113,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1813,8 +1915,8 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1836,7 +1938,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t1)
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1859,8 +1961,8 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.transpose(1, 2, 0)
+    t14 = t12.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1882,9 +1984,11 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -1906,8 +2010,8 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t4 @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t12 = oe.contract('abc,acd->bda', t11, t2, optimize=[(0, 1)])
-    t13 = oe.contract('abc->bca', t10, optimize=[(0,)])
+    t12 = ((t2.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t13 = t10.transpose(1, 2, 0)
     t14 = np.einsum('abcb->abc', t0)
     t15 = t2 @ t4
     t16 = (1/math.sqrt(d_K)) * t15
@@ -1922,7 +2026,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = np.ones((d_K,), dtype=X.dtype)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
+    t25 = ((np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
     t0[...] = oe.contract('abc,dec->adeb', t12, t13, optimize=[(0, 1)])
     t14 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
     return out
@@ -1950,13 +2054,20 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t6, -1, -2)
     t11 = G @ t10
     t12 = t11 @ X
-    t13 = X @ W_Q
-    t14 = t6 @ t10
-    t15 = t14 @ X
-    t16 = t2 @ t15
-    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t12, t0, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t12, t0, t13, t16, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t13, t16, t0, t13, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t13 = (np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t14 = X @ W_Q
+    t15 = t6 @ t10
+    t16 = t15 @ X
+    t17 = t2 @ t16
+    t18 = (t17.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
+    t19 = np.reshape((t13 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t20 = (np.reshape(t17, (n_batch, d_K*d_V)) @ np.reshape(t17.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t21.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t24 = (n_batch**(-2)) * (t13 * t13).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t19 * t18.transpose(1, 0, 2)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -1977,16 +2088,16 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
-    t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
+    t10 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
+    t11 = ((t8.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))).transpose(2, 1, 0)
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t16 = ((G.transpose(0, 2, 1) @ t15.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t17 = t4.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
     return out
@@ -2007,14 +2118,27 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     T = t6
     t7 = T @ X
-    t8 = t7 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t7, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t9.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t8.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t11 = (W_V @ W_V.transpose(1, 0))
+    t12 = np.reshape((t11 @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t13 = (np.reshape(t12.transpose(1, 0, 2), (n_batch, d_K*d_V)) @ np.reshape(t3.transpose(2, 1, 0), (d_K*d_V, n_batch)))
+    t14 = t7 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_V.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_K*n_batch))), (n_batch, L, n_batch, d_K))
+    t19 = np.reshape((np.reshape(t18, (n_batch, L*n_batch, d_K)) @ t3), (n_batch, L, n_batch, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ t7.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t21 = (np.reshape(t3, (n_batch, d_K*d_V)) @ np.reshape(t3.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t8.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t13 * t10.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t20 * t8.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t23 * t21).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2037,8 +2161,8 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2060,7 +2184,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t6)
 
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2081,8 +2205,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t1
     t9 = t8 @ X
     t10 = (2/(L*d_K*d_V*n_batch)) * t3
-    t11 = oe.contract('abc,acd->bda', t10, t6, optimize=[(0, 1)])
-    t12 = oe.contract('abc->bca', t9, optimize=[(0,)])
+    t11 = ((t6.transpose(0, 2, 1) @ t10.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t12 = t9.transpose(1, 2, 0)
     t13 = np.einsum('abcb->abc', t0)
     t14 = np.swapaxes(t8, -1, -2)
     t15 = np.swapaxes(t5, -1, -2)
@@ -2098,7 +2222,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = np.ones((d_K,), dtype=X.dtype)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t3, t22, optimize=[(0, 1)])
+    t25 = ((np.reshape(t22.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t3.transpose(0, 2, 1), (d_V*n_batch, d_V)))).transpose(1, 0)
     t0[...] = oe.contract('abc,dec->adeb', t11, t12, optimize=[(0, 1)])
     t13 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
     return out
@@ -2126,15 +2250,20 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t10
     t11 = np.swapaxes(G, -1, -2)
     t12 = t11 @ X
-    t13 = np.swapaxes(t1, -1, -2)
-    t14 = np.swapaxes(t4, -1, -2)
-    t15 = t13 @ t14
-    t16 = np.swapaxes(W_Q, -1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    t19 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t12, t2, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t12, t2, t15, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t15, t18, t2, t15, t18, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t13 = (np.reshape(t12.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (d_V*n_batch, d_V)))
+    t14 = np.swapaxes(t1, -1, -2)
+    t15 = np.swapaxes(t4, -1, -2)
+    t16 = t14 @ t15
+    t17 = np.swapaxes(W_Q, -1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    t20 = (t16.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t21 = (np.reshape(t20.transpose(2, 0, 1), (d_V, d_K*n_batch)) @ np.reshape(t19, (d_K*n_batch, d_V)))
+    t22 = (np.reshape(t19, (n_batch, d_K*d_V)) @ np.reshape(t19.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t23 = (np.reshape(t20, (n_batch, d_K*d_V)) @ np.reshape(t20.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t24 = (n_batch**(-2)) * (t13 * t13).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t21 * t13.transpose(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t23 * t22).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2157,8 +2286,8 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.transpose(1, 2, 0)
+    t14 = t12.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2180,9 +2309,11 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = (np.reshape(t6, (n_batch, d_V**2)) @ np.reshape(t6.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2210,12 +2341,12 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t15 = oe.contract('abc,acd->bda', t14, G, optimize=[(0, 1)])
-    t16 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t15 = ((G.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t16 = t2.transpose(1, 2, 0)
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t19 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd->bda', t18, t17, optimize=[(0, 1)])
+    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))).transpose(2, 0, 1)
+    t20 = ((t17.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
     t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
@@ -2243,10 +2374,23 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = T @ X
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t13, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t13, t1, t3, W_V, t13, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t13 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t3.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t17 = T @ X
+    t18 = np.reshape((W_V @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t19 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t20 = np.reshape((np.reshape(t19, (n_batch, L*n_batch, d_V)) @ t1), (n_batch, L, n_batch, d_V))
+    t21 = (np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)))
+    t22 = (W_V @ W_V.transpose(1, 0))
+    t23 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t25 = np.reshape((t22 @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t26 = (np.reshape(t25.transpose(1, 0, 2), (n_batch, d_V**2)) @ np.reshape(t1.transpose(2, 1, 0), (d_V**2, n_batch)))
+    t27 = (1/(d_K*n_batch**2)) * (t16 * t13).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t21 * t18.transpose(1, 0, 2)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t26 * t24.transpose(1, 0)).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    return t28
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2270,7 +2414,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t13 = oe.contract('abb->b', t10)
     t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -2292,7 +2436,7 @@ def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t9)
 
 
 def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2317,8 +2461,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(t3, -1, -2)
     t12 = t10 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t15 = oe.contract('abc,acd->bda', t13, t8, optimize=[(0, 1)])
+    t14 = t12.transpose(1, 2, 0)
+    t15 = ((t8.transpose(0, 2, 1) @ t13.transpose(0, 2, 1))).transpose(2, 1, 0)
     t16 = np.swapaxes(t10, -1, -2)
     t17 = T @ t16
     F = t17
@@ -2328,8 +2472,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     t21 = t20 @ X
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = oe.contract('abc,acd->bda', t22, t11, optimize=[(0, 1)])
-    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t23 = ((t11.transpose(0, 2, 1) @ t22.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t24 = t21.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     return out
@@ -2354,17 +2498,27 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t0
     t10 = np.swapaxes(t2, -1, -2)
     t11 = t9 @ t10
-    t12 = np.swapaxes(t9, -1, -2)
-    t13 = T @ t12
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = t16 @ X
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t17, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t17, t0, t10, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t12 = (np.reshape(t11, (n_batch, d_K*d_V)) @ np.reshape(t11.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t13 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t7, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t16 = np.swapaxes(t9, -1, -2)
+    t17 = T @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = t20 @ X
+    t22 = np.reshape((np.reshape(t10, (L*n_batch, d_K)) @ np.reshape(t11.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t23 = np.reshape((np.reshape(t22, (n_batch, L*n_batch, d_V)) @ t21), (n_batch, L, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ t7.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t25 = (np.reshape(t21, (n_batch, d_V**2)) @ np.reshape(t21.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t26 = np.reshape((np.reshape(t10, (L*n_batch, d_K)) @ np.reshape(t10.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t15 * t12).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t24 * t13.transpose(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t27 * t25).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2392,15 +2546,15 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = t11 @ t12
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t16 = oe.contract('abc,acd->bda', t14, X, optimize=[(0, 1)])
+    t15 = t13.transpose(1, 2, 0)
+    t16 = ((X.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))).transpose(2, 1, 0)
     t17 = np.swapaxes(T, -1, -2)
     t18 = t17 @ t12
     t19 = np.swapaxes(t7, -1, -2)
     t20 = t19 @ X
     t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t22 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t23 = t20.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     return out
@@ -2428,13 +2582,23 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     t11 = X @ W_Q
     t12 = t10 @ t11
-    t13 = np.swapaxes(T, -1, -2)
-    t14 = t13 @ t11
-    t15 = np.swapaxes(t6, -1, -2)
-    t16 = t15 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t12, t0, X, t12, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t12, t0, t14, t16, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t14, t16, t0, t14, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t13 = (np.reshape(t12, (n_batch, d_K*d_V)) @ np.reshape(t12.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t17 = np.swapaxes(T, -1, -2)
+    t18 = t17 @ t11
+    t19 = np.swapaxes(t6, -1, -2)
+    t20 = t19 @ X
+    t21 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t12.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t22 = np.reshape((np.reshape(t21, (n_batch, L*n_batch, d_V)) @ t20), (n_batch, L, n_batch, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ X.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t24 = (np.reshape(t20, (n_batch, d_V**2)) @ np.reshape(t20.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t25 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t27 = (1/(d_K*n_batch**2)) * (t16 * t13).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t23 * t14.transpose(2, 0, 1, 3)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t26 * t24).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    return t28
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2460,7 +2624,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t14 = t11.sum((0,))
     t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
     return out
 
@@ -2482,7 +2646,7 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
     t11 = np.sqrt(np.maximum(t10, 0.0))
     return t11
 
@@ -2504,11 +2668,13 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(t3, -1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t11 + 0.0 + 0.0
-    t13 = np.sqrt(np.maximum(t11, 0.0))
-    t14 = np.sqrt(np.maximum(t12, 0.0))
-    return (t13, 0.0, t14,)
+    t11 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t13 + 0.0 + 0.0
+    t15 = np.sqrt(np.maximum(t13, 0.0))
+    t16 = np.sqrt(np.maximum(t14, 0.0))
+    return (t15, 0.0, t16,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -2528,26 +2694,29 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t8 @ X
     t10 = t4 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t1 @ t4
-    t13 = (1/math.sqrt(d_K)) * t12
-    T = t13
-    t14 = np.swapaxes(t6, -1, -2)
-    t15 = T @ t14
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G @ t6
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
-    t22 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t20, optimize=[(0, 1), (0, 1)])
-    t23 = t11 + t21 + t22
-    t24 = np.sqrt(np.maximum(t11, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t11 = (np.reshape(t2, (n_batch, d_K*d_V)) @ np.reshape(t2.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K*d_V)) @ np.reshape(t10.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t1 @ t4
+    t15 = (1/math.sqrt(d_K)) * t14
+    T = t15
+    t16 = np.swapaxes(t6, -1, -2)
+    t17 = T @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t6
+    t21 = t20 @ X
+    t22 = t0 @ t21
+    t23 = (n_batch**(-2)) * (t22.sum((0,)) * t22.sum((0,))).sum()
+    t24 = (np.reshape(t10.transpose(2, 0, 1), (d_V, d_K*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (d_K*n_batch, d_V)))
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t24 * t22.sum((0,)).transpose(1, 0)).sum()
+    t26 = t13 + t23 + t25
+    t27 = np.sqrt(np.maximum(t13, 0.0))
+    t28 = np.sqrt(np.maximum(t23, 0.0))
+    t29 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -2567,21 +2736,27 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = X @ W_V
     t9 = t2 @ t8
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
-    t11 = T @ t8
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = t0 @ G
-    t15 = t2 @ X
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t14, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t18 = t10 + t16 + t17
-    t19 = np.sqrt(np.maximum(t10, 0.0))
-    t20 = np.sqrt(np.maximum(t16, 0.0))
-    t21 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, t20, t21,)
+    t10 = (np.reshape(t7, (n_batch, d_V**2)) @ np.reshape(t7.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t11 = (np.reshape(t9, (n_batch, d_K*d_V)) @ np.reshape(t9.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t11 * t10).sum()
+    t13 = T @ t8
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t0 @ G
+    t17 = t2 @ X
+    t18 = (np.reshape(t16, (n_batch, d_V**2)) @ np.reshape(t16.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t19 = (np.reshape(t17, (n_batch, d_K*d_V)) @ np.reshape(t17.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (d_V*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, d_V*n_batch))), (n_batch, d_V, n_batch, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (d_V*n_batch, d_V*n_batch)) @ np.reshape(t9.transpose(2, 0, 1), (d_V*n_batch, d_K))), (n_batch, d_V, d_K))
+    t23 = (4/(L*d_K*d_V*n_batch**2)) * (t22 * t17.transpose(0, 2, 1)).sum()
+    t24 = t12 + t20 + t23
+    t25 = np.sqrt(np.maximum(t12, 0.0))
+    t26 = np.sqrt(np.maximum(t20, 0.0))
+    t27 = np.sqrt(np.maximum(t24, 0.0))
+    return (t25, t26, t27,)
 
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2601,29 +2776,32 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(W_Q, -1, -2)
     t9 = t8 @ t0
     t10 = t9 @ X
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = np.swapaxes(t2, -1, -2)
-    t13 = np.swapaxes(t9, -1, -2)
-    t14 = np.swapaxes(t5, -1, -2)
-    t15 = t13 @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    T = t16
-    t17 = T @ t12
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = t12 @ t20
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t23, optimize=[(0, 1), (0, 1)])
-    t26 = t11 + t24 + t25
-    t27 = np.sqrt(np.maximum(t11, 0.0))
-    t28 = np.sqrt(np.maximum(t24, 0.0))
-    t29 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27, t28, t29,)
+    t11 = (np.reshape(t7, (n_batch, d_K*d_V)) @ np.reshape(t7.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K*d_V)) @ np.reshape(t10.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = np.swapaxes(t2, -1, -2)
+    t15 = np.swapaxes(t9, -1, -2)
+    t16 = np.swapaxes(t5, -1, -2)
+    t17 = t15 @ t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    T = t18
+    t19 = T @ t14
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = t14 @ t22
+    t24 = t23 @ X
+    t25 = t0 @ t24
+    t26 = (n_batch**(-2)) * (t25.sum((0,)) * t25.sum((0,))).sum()
+    t27 = (np.reshape(t10.transpose(2, 0, 1), (d_V, d_K*n_batch)) @ np.reshape(t7.transpose(0, 2, 1), (d_K*n_batch, d_V)))
+    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t27 * t25.sum((0,)).transpose(1, 0)).sum()
+    t29 = t13 + t26 + t28
+    t30 = np.sqrt(np.maximum(t13, 0.0))
+    t31 = np.sqrt(np.maximum(t26, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -2643,11 +2821,13 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = np.swapaxes(t8, -1, -2)
     t10 = t8 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t11 + 0.0 + 0.0
-    t13 = np.sqrt(np.maximum(t11, 0.0))
-    t14 = np.sqrt(np.maximum(t12, 0.0))
-    return (t13, 0.0, t14,)
+    t11 = (np.reshape(t6, (n_batch, d_V**2)) @ np.reshape(t6.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t13 + 0.0 + 0.0
+    t15 = np.sqrt(np.maximum(t13, 0.0))
+    t16 = np.sqrt(np.maximum(t14, 0.0))
+    return (t15, 0.0, t16,)
 
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -2669,21 +2849,27 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = T @ X
     t11 = t4 @ t10
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
-    t13 = t0 @ X
-    t14 = T @ t1
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t4 @ G
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t17, t13, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t17, optimize=[(0, 2), (0, 2), (0, 1)])
-    t20 = t12 + t18 + t19
-    t21 = np.sqrt(np.maximum(t12, 0.0))
-    t22 = np.sqrt(np.maximum(t18, 0.0))
-    t23 = np.sqrt(np.maximum(t20, 0.0))
-    return (t21, t22, t23,)
+    t12 = (np.reshape(t2, (n_batch, d_V**2)) @ np.reshape(t2.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t13 = (np.reshape(t11, (n_batch, d_K*d_V)) @ np.reshape(t11.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t13 * t12).sum()
+    t15 = t0 @ X
+    t16 = T @ t1
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t4 @ G
+    t20 = (np.reshape(t15, (n_batch, d_V**2)) @ np.reshape(t15.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t21 = (np.reshape(t19, (n_batch, d_K*d_V)) @ np.reshape(t19.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t20).sum()
+    t23 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (d_V*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, d_V*n_batch))), (n_batch, d_V, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (d_V*n_batch, d_V*n_batch)) @ np.reshape(t11.transpose(2, 0, 1), (d_V*n_batch, d_K))), (n_batch, d_V, d_K))
+    t25 = (4/(L*d_K*d_V*n_batch**2)) * (t24 * t19.transpose(0, 2, 1)).sum()
+    t26 = t14 + t22 + t25
+    t27 = np.sqrt(np.maximum(t14, 0.0))
+    t28 = np.sqrt(np.maximum(t22, 0.0))
+    t29 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2706,23 +2892,29 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t0
     t11 = np.swapaxes(t2, -1, -2)
     t12 = t10 @ t11
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = t0 @ t11
-    t15 = np.swapaxes(t10, -1, -2)
-    t16 = T @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = t19 @ X
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = np.sqrt(np.maximum(t13, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t13 = (np.reshape(t8, (n_batch, d_V**2)) @ np.reshape(t8.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t14 = (np.reshape(t12, (n_batch, d_K*d_V)) @ np.reshape(t12.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = t0 @ t11
+    t17 = np.swapaxes(t10, -1, -2)
+    t18 = T @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = t21 @ X
+    t23 = (np.reshape(t16, (n_batch, d_K*d_V)) @ np.reshape(t16.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t24 = (np.reshape(t22, (n_batch, d_V**2)) @ np.reshape(t22.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t25 = (1/(d_K*n_batch**2)) * (t24 * t23).sum()
+    t26 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (d_K*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, d_V*n_batch))), (n_batch, d_K, n_batch, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (d_V*n_batch, d_K*n_batch)) @ np.reshape(t12.transpose(2, 0, 1), (d_K*n_batch, d_V))), (n_batch, d_V, d_V))
+    t28 = (4/(L*d_K*d_V*n_batch**2)) * (t27 * t22.transpose(0, 2, 1)).sum()
+    t29 = t15 + t25 + t28
+    t30 = np.sqrt(np.maximum(t15, 0.0))
+    t31 = np.sqrt(np.maximum(t25, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -2745,23 +2937,29 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
     t12 = t11 @ X
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = t0 @ X
-    t15 = np.swapaxes(t11, -1, -2)
-    t16 = T @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = t19 @ t7
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = np.sqrt(np.maximum(t13, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t13 = (np.reshape(t9, (n_batch, d_K*d_V)) @ np.reshape(t9.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t14 = (np.reshape(t12, (n_batch, d_V**2)) @ np.reshape(t12.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = t0 @ X
+    t17 = np.swapaxes(t11, -1, -2)
+    t18 = T @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = t21 @ t7
+    t23 = (np.reshape(t16, (n_batch, d_V**2)) @ np.reshape(t16.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t24 = (np.reshape(t22, (n_batch, d_K*d_V)) @ np.reshape(t22.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t25 = (1/(d_K*n_batch**2)) * (t24 * t23).sum()
+    t26 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (d_V*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, d_K*n_batch))), (n_batch, d_V, n_batch, d_K))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (d_K*n_batch, d_V*n_batch)) @ np.reshape(t12.transpose(2, 0, 1), (d_V*n_batch, d_V))), (n_batch, d_K, d_V))
+    t28 = (4/(L*d_K*d_V*n_batch**2)) * (t27 * t22.transpose(0, 2, 1)).sum()
+    t29 = t15 + t25 + t28
+    t30 = np.sqrt(np.maximum(t15, 0.0))
+    t31 = np.sqrt(np.maximum(t25, 0.0))
+    t32 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, t31, t32,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -2781,7 +2979,7 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
     t11 = t10 + 0.0 + 0.0
     t12 = np.sqrt(np.maximum(t10, 0.0))
     t13 = np.sqrt(np.maximum(t11, 0.0))
@@ -2983,66 +3181,75 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t4, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
-    t15 = X @ W_Q
-    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_V), copy=False)
-    t20 = t15 @ t4
-    t21 = (1/math.sqrt(d_K)) * t20
-    T = t21
-    t22 = Mcausal * T
-    t23 = t22 @ X
-    t24 = np.swapaxes(t6, -1, -2)
-    t25 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t26 = oe.contract('abc,acd->bdac', t4, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,cd,ace->bead', t2, t25, t23, optimize=[(0, 1), (0, 1)])
-    t19[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = np.swapaxes(t15, -1, -2)
-    t31 = np.swapaxes(Mcausal, -1, -2)
-    t32 = (2/(L*d_K*d_V*n_batch)) * t31
-    t33 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t34 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t37 = oe.contract('abc,acd->bdac', t30, t15, optimize=[(0, 1)])
-    t38 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
-    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t42 = oe.contract('abc,cd,ace->bead', t2, t41, t24, optimize=[(0, 1), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t30, t23, optimize=[(0, 1)])
-    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
-    t46 = np.swapaxes(t23, -1, -2)
-    t47 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t48 = oe.contract('abc,cd,ace->bead', t46, t25, X, optimize=[(0, 1), (0, 1)])
-    t45[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t51 = oe.contract('abc,cd,ace->bead', t46, t25, t15, optimize=[(0, 1), (0, 1)])
-    t52 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
-    t50[...] = oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = np.reshape(t53, (d_V, d_V, d_V, d_V), copy=False)
-    t55 = np.einsum('abcb->abc', t54)
-    t56 = t46 @ t23
-    t57 = np.ones((d_V,), dtype=X.dtype)
-    t58 = (2/(L*d_V*n_batch)) * t57
-    t59 = oe.contract('abc->bc', t56, optimize=[(0,)])
-    t55 += oe.contract('ab,c->acb', t59, t58, optimize=[(0, 1)])
+    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t10, (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t9), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
+    t18 = X @ W_Q
+    t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
+    t23 = t18 @ t4
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = Mcausal * T
+    t26 = t25 @ X
+    t27 = np.swapaxes(t6, -1, -2)
+    t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t29 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t30 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t31 = (np.reshape((np.reshape(t30.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t22[...] = oe.contract('abcd,efcd->eafb', t29, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.swapaxes(t18, -1, -2)
+    t35 = np.swapaxes(Mcausal, -1, -2)
+    t36 = (2/(L*d_K*d_V*n_batch)) * t35
+    t37 = (np.reshape(t35.transpose(1, 0), (L, L, 1)) * np.reshape(t36.transpose(1, 0), (L, 1, L)))
+    t38 = (np.reshape(t37.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t39 = np.reshape((np.reshape(t38.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t40 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t44 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t45 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
+    t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
+    t49 = np.reshape((np.reshape(t48, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t50 = (np.reshape((np.reshape(t49.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t27), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t51 = ((np.reshape(t26, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = np.swapaxes(t26, -1, -2)
+    t55 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t56 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t54.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t57 = (np.reshape((np.reshape(t56.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
+    t60 = (np.reshape((np.reshape(t56.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t59[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t62[...] = 0
+    t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
+    t64 = np.einsum('abcb->abc', t63)
+    t65 = t54 @ t26
+    t66 = np.ones((d_V,), dtype=X.dtype)
+    t67 = (2/(L*d_V*n_batch)) * t66
+    t68 = t65.sum((0,))
+    t64 += oe.contract('ab,c->acb', t68, t67, optimize=[(0, 1)])
     return H
 
 
@@ -3108,36 +3315,80 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    t10 = X @ W_Q
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t10, X, t0, t2, Mcausal, t6, Mcausal, t10, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = t10 @ t2
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = Mcausal * T
-    t16 = t15 @ X
-    t17 = np.swapaxes(t4, -1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t16, t17, t0, t2, Mcausal, t16, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
     t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(t10, -1, -2)
-    t21 = np.swapaxes(Mcausal, -1, -2)
-    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, t7, X, t0, t20, t21, t6, t21, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, X, t10, t0, t20, t21, t6, t21, X, t10, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t21, t17, t16, t0, t20, t21, t17, t16, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = np.swapaxes(t16, -1, -2)
-    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, X, t7, t28, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, t10, X, t28, t4, Mcausal, t10, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = t28 @ t16
-    t34 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    return (t9, t12, t19, t23, t25, t27, t30, t32, t35,)
+    t20 = X @ W_Q
+    t21 = np.reshape((np.reshape(t20, (L*n_batch, d_K)) @ np.reshape(t20.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t8
+    t23 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t25 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t24 * t10.transpose(0, 2, 3, 1)).sum()
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = t20 @ t2
+    t28 = (1/math.sqrt(d_K)) * t27
+    T = t28
+    t29 = Mcausal * T
+    t30 = t29 @ X
+    t31 = np.swapaxes(t4, -1, -2)
+    t32 = np.reshape((np.reshape(t30, (L*n_batch, d_V)) @ np.reshape(t30.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = t32 * t8
+    t34 = np.reshape((np.reshape(t31, (L*n_batch, d_V)) @ np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = t34 * t9
+    t36 = np.reshape((np.reshape(t33, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t37 = (np.reshape(t36.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t35.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t37 * Mcausal).sum()
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = np.swapaxes(t20, -1, -2)
+    t41 = np.swapaxes(Mcausal, -1, -2)
+    t42 = np.reshape((np.reshape(t40.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t40.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t43 = t10 * t42
+    t44 = (np.reshape(t41.transpose(1, 0), (L, L, 1)) * np.reshape(t41.transpose(1, 0), (L, 1, L)))
+    t45 = (np.reshape(t44.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t46 = np.reshape((np.reshape(t45.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t8.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t47 = np.reshape((np.reshape(t46.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t48 = np.reshape((np.reshape(t47.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t45.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t49 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t48 * t43.transpose(0, 2, 3, 1)).sum()
+    t50 = np.sqrt(np.maximum(t49, 0.0))
+    t51 = t21 * t42
+    t52 = np.reshape((np.reshape(t46.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t10.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t53 = np.reshape((np.reshape(t52.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t45.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t54 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t53 * t51.transpose(0, 2, 3, 1)).sum()
+    t55 = np.sqrt(np.maximum(t54, 0.0))
+    t56 = t34 * t8
+    t57 = t32 * t42
+    t58 = np.reshape((np.reshape(t56, (L*n_batch**2, L)) @ t41), (n_batch, L, n_batch, L))
+    t59 = (np.reshape(t58.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t57.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t60 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t59 * t41).sum()
+    t61 = np.sqrt(np.maximum(t60, 0.0))
+    t62 = np.swapaxes(t30, -1, -2)
+    t63 = np.reshape((np.reshape(t62.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t62.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t64 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t4.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t65 = t10 * t63
+    t66 = t12 * t64
+    t67 = np.reshape((np.reshape(t65, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t68 = (np.reshape(t67.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t66.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t69 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t68 * Mcausal).sum()
+    t70 = np.sqrt(np.maximum(t69, 0.0))
+    t71 = t21 * t63
+    t72 = t10 * t64
+    t73 = np.reshape((np.reshape(t71, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t74 = (np.reshape(t73.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t72.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t75 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t74 * Mcausal).sum()
+    t76 = np.sqrt(np.maximum(t75, 0.0))
+    t77 = t62 @ t30
+    t78 = (4/(L**2*d_V*n_batch**2)) * (t77.sum((0,)) * t77.sum((0,))).sum()
+    t79 = np.sqrt(np.maximum(t78, 0.0))
+    return (t19, t26, t39, t50, t55, t61, t70, t76, t79,)
 
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3158,9 +3409,12 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t12 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_K, L, 1)) * np.reshape(t3, (n_batch, d_K, 1, L)))
+    t13 = ((np.reshape(t12, (n_batch, d_K, L**2)) @ np.reshape(t11.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
+    t14 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3179,7 +3433,12 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t9 = (t7 @ t2)
+    t10 = t9 * t6.transpose(0, 2, 1)
+    t11 = (np.reshape(t8.transpose(1, 0), (L, n_batch, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t12 = (np.reshape(t11, (L, L*n_batch)) @ np.reshape(t10.transpose(0, 2, 1), (L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3200,9 +3459,12 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3221,9 +3483,19 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3244,9 +3516,12 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
+    t10 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3265,9 +3540,19 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = X @ W_Q
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3290,9 +3575,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t12 = np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t13 = (np.reshape((np.reshape(t12.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t8), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -3313,9 +3599,17 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = Mcausal * T
     t7 = t6 @ X
     t8 = X @ W_V
-    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t7, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t10
+    t15 = np.reshape((np.reshape(t12, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t16 = (np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t16 * Mcausal).sum()
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3337,9 +3631,12 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t11 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t12 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t14 = (np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t1, (n_batch, d_V, 1, L)))
+    t15 = ((np.reshape(t14, (n_batch, d_V, L**2)) @ np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3359,7 +3656,12 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = np.swapaxes(t2, -1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
+    t10 = (X @ t0)
+    t11 = t10 * t7.transpose(0, 2, 1)
+    t12 = (np.reshape(t9.transpose(1, 0), (L, n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t13 = (np.reshape(t12, (L, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.transpose(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3381,9 +3683,12 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_K
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3403,9 +3708,19 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (np.reshape(t3.transpose(1, 0), (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t15 = (np.reshape(t14.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t15.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.transpose(0, 2, 3, 1)).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3427,9 +3742,12 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t12 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t14 = np.reshape((np.reshape(t13.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t15 = (np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3449,9 +3767,19 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = np.swapaxes(t2, -1, -2)
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (np.reshape(t3.transpose(1, 0), (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t15 = (np.reshape(t14.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t15.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.transpose(0, 2, 3, 1)).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3477,9 +3805,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = Mcausal * T
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t14 = oe.contract('abc,cd,ace->bead', t1, t13, t5, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t3, t12, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t14 = np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t15 = (np.reshape((np.reshape(t14.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t5), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = ((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3503,9 +3832,17 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = Mcausal * T
     t11 = t10 @ X
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t4, (L*n_batch, d_V)) @ np.reshape(t4.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = np.reshape((np.reshape(t11, (L*n_batch, d_V)) @ np.reshape(t11.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t13
+    t18 = np.reshape((np.reshape(t15, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t19 = (np.reshape(t18.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t17.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t20 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t19 * t3).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3533,7 +3870,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t16 = oe.contract('abb->b', t13)
     t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -3559,7 +3896,7 @@ def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    return (2/(L*n_batch)) * oe.contract('abb->', t12, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t12)
 
 
 def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3586,9 +3923,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = np.swapaxes(t4, -1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
-    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t15 = ((np.reshape(t13, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3613,9 +3951,17 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
     t12 = np.swapaxes(t3, -1, -2)
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t13 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = np.reshape((np.reshape(t12, (L*n_batch, d_K)) @ np.reshape(t12.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = np.reshape((np.reshape(t16, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t20 = (np.reshape(t19.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t18.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3642,9 +3988,10 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = oe.contract('abc,cd,ace->bead', t10, t14, t13, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t16 = (np.reshape((np.reshape(t15.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t13), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3669,9 +4016,17 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
     t12 = X @ W_Q
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t13 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12, (L*n_batch, d_K)) @ np.reshape(t12.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = np.reshape((np.reshape(t16, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t20 = (np.reshape(t19.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t18.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3701,7 +4056,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t17 = t14.sum((0,))
     t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
     return out
 
@@ -3727,7 +4082,7 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
     t14 = np.sqrt(np.maximum(t13, 0.0))
     return t14
 
@@ -3767,46 +4122,48 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t22 = t19.sum((0,))
     t3 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
     t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t24 = np.reshape(t23, (d_V, d_K, d_V, d_V), copy=False)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t26 = oe.contract('abc,cd,ace->bead', t4, t25, G, optimize=[(0, 1), (0, 1)])
-    t27 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
-    t24[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t31 = np.swapaxes(t19, -1, -2)
-    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
-    t30 += oe.contract('ab,c->acb', t32, t21, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
-    t36 = np.swapaxes(W_Q, -1, -2)
-    t37 = t36 @ t4
-    t38 = np.swapaxes(Mcausal, -1, -2)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
-    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
-    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
-    t44 = np.swapaxes(G, -1, -2)
-    t45 = np.swapaxes(t6, -1, -2)
-    t46 = oe.contract('abc,cd,ace->bead', t4, t39, t45, optimize=[(0, 1), (0, 1)])
-    t47 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
-    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = np.swapaxes(t37, -1, -2)
-    t51 = oe.contract('abc,acd->bdac', t44, t50, optimize=[(0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t41, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52[...] = 0
+    t26 = np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t27 = (np.reshape((np.reshape(t26.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t24[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = np.swapaxes(t19, -1, -2)
+    t33 = t32.sum((0,))
+    t31 += oe.contract('ab,c->acb', t33, t21, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34[...] = 0
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = np.swapaxes(W_Q, -1, -2)
+    t38 = t37 @ t4
+    t39 = np.swapaxes(Mcausal, -1, -2)
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t42 = np.reshape((np.reshape(t40, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t43 = (np.reshape((np.reshape(t42.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t36[...] = oe.contract('abcd,efcd->eafb', t41, t43, optimize=[(0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
+    t46 = np.swapaxes(G, -1, -2)
+    t47 = np.swapaxes(t6, -1, -2)
+    t48 = (np.reshape((np.reshape(t42.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t47), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t49 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
+    t52 = np.swapaxes(t38, -1, -2)
+    t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t43, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54[...] = 0
     return H
 
 
@@ -3894,26 +4251,48 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal * t12
     t14 = t13 @ X
     t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t16 = (n_batch**(-2)) * (t15.sum((0,)) * t15.sum((0,))).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(t15, -1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = t23 @ t0
-    t25 = np.swapaxes(Mcausal, -1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t24, t25, X, G, t0, t24, t25, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = np.reshape((np.reshape(t21, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t25 = (np.reshape(t24.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * Mcausal).sum()
     t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = np.swapaxes(G, -1, -2)
-    t29 = np.swapaxes(t2, -1, -2)
-    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, t29, X, t0, t28, t25, t29, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = np.swapaxes(t24, -1, -2)
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, X, t32, t0, t28, t25, X, t32, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    return (0.0, t17, t19, t22, 0.0, t27, t31, t34, 0.0,)
+    t28 = np.swapaxes(t15, -1, -2)
+    t29 = (n_batch**(-2)) * (t28.sum((0,)) * t28.sum((0,))).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = np.swapaxes(W_Q, -1, -2)
+    t32 = t31 @ t0
+    t33 = np.swapaxes(Mcausal, -1, -2)
+    t34 = np.reshape((np.reshape(t32.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t32.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = t22 * t18
+    t36 = t20 * t34
+    t37 = np.reshape((np.reshape(t35, (L*n_batch**2, L)) @ t33), (n_batch, L, n_batch, L))
+    t38 = (np.reshape(t37.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t36.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t39 = (1/(d_K*n_batch**2)) * (t38 * t33).sum()
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    t41 = np.swapaxes(G, -1, -2)
+    t42 = np.swapaxes(t2, -1, -2)
+    t43 = np.reshape((np.reshape(t41.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t41.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t42, (L*n_batch, d_K)) @ np.reshape(t42.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t45 = t44 * t18
+    t46 = t22 * t43
+    t47 = np.reshape((np.reshape(t45, (L*n_batch**2, L)) @ t33), (n_batch, L, n_batch, L))
+    t48 = (np.reshape(t47.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t46.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t49 = (1/(d_K*n_batch**2)) * (t48 * t33).sum()
+    t50 = np.sqrt(np.maximum(t49, 0.0))
+    t51 = np.swapaxes(t32, -1, -2)
+    t52 = np.reshape((np.reshape(t51, (L*n_batch, d_K)) @ np.reshape(t51.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t53 = t52 * t43
+    t54 = (np.reshape(t37.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t53.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t55 = (1/(d_K*n_batch**2)) * (t54 * t33).sum()
+    t56 = np.sqrt(np.maximum(t55, 0.0))
+    return (0.0, t17, t27, t30, 0.0, t40, t50, t56, 0.0,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -3988,7 +4367,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t20 = t17.sum((0,))
     t1 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
     return out
 
@@ -4019,7 +4398,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal * t12
     t14 = t13 @ X
     t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t16 = (n_batch**(-2)) * (t15.sum((0,)) * t15.sum((0,))).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
     return t17
 
@@ -4048,9 +4427,10 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t13 = oe.contract('abc,cd,ace->bead', t1, t12, G, optimize=[(0, 1), (0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t13 = np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t14 = (np.reshape((np.reshape(t13.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4075,9 +4455,17 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t9 = F - Y
     t10 = (2/(L*d_V)) * t9
     G = t10
-    t11 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t11
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t12
+    t17 = np.reshape((np.reshape(t14, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t18 = (np.reshape(t17.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t16.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t19 = (1/(d_K*n_batch**2)) * (t18 * Mcausal).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4134,7 +4522,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t22 = t19.sum((0,))
     t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
     return out
 
@@ -4167,7 +4555,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = t13 * t14
     t16 = t15 @ X
     t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t18 = (n_batch**(-2)) * (t17.sum((0,)) * t17.sum((0,))).sum()
     t19 = np.sqrt(np.maximum(t18, 0.0))
     return t19
 
@@ -4219,9 +4607,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4249,9 +4638,17 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = np.reshape((np.reshape(t17, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t21 = (np.reshape(t20.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t19.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t3).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4301,9 +4698,10 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(Mcausal, -1, -2)
     t14 = np.swapaxes(t3, -1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = oe.contract('abc,cd,ace->bead', t1, t15, t14, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t14), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4331,9 +4729,17 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.swapaxes(Mcausal, -1, -2)
     t13 = np.swapaxes(t2, -1, -2)
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, t13, X, t0, t11, t12, t13, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t13, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = np.reshape((np.reshape(t17, (L*n_batch**2, L)) @ t12), (n_batch, L, n_batch, L))
+    t21 = (np.reshape(t20.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t19.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t12).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4363,9 +4769,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(Mcausal, -1, -2)
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = oe.contract('abc,acd->bdac', t12, t14, optimize=[(0, 1)])
-    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4393,9 +4800,17 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.swapaxes(Mcausal, -1, -2)
     t13 = X @ W_Q
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, X, t13, t0, t11, t12, X, t13, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(t13, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = np.reshape((np.reshape(t17, (L*n_batch**2, L)) @ t12), (n_batch, L, n_batch, L))
+    t21 = (np.reshape(t20.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t19.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t12).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4437,101 +4852,114 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t4, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
-    t15 = X @ W_Q
-    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t18 = np.einsum('abcb->abc', t14)
-    t19 = t15 @ t4
-    t20 = (1/math.sqrt(d_K)) * t19
-    T = t20
-    t21 = Mcausal * T
-    t22 = np.swapaxes(t6, -1, -2)
-    t23 = t21 @ t22
-    F = t23
-    t24 = F - Y
-    t25 = (2/(L*d_V)) * t24
-    G = t25
-    t26 = G @ t6
-    t27 = Mcausal * t26
-    t28 = t27 @ X
-    t29 = np.ones((d_K,), dtype=X.dtype)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t31 = oe.contract('abc,acd->bd', t2, t28, optimize=[(0, 1)])
-    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
-    t34 = t21 @ X
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t39 = oe.contract('abc,cd,ace->bead', t2, t38, G, optimize=[(0, 1), (0, 1)])
-    t40 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
-    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.swapaxes(t15, -1, -2)
-    t44 = np.swapaxes(Mcausal, -1, -2)
-    t45 = (2/(L*d_K*d_V*n_batch)) * t44
-    t46 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t47 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
-    t48 = np.einsum('abcb->abc', t42)
-    t49 = np.swapaxes(t26, -1, -2)
-    t50 = t49 * t44
-    t51 = t50 @ X
-    t52 = oe.contract('abc,acd->bd', t2, t51, optimize=[(0, 1)])
-    t42[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 += oe.contract('ab,c->acb', t52, t30, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
-    t55 = oe.contract('abc,acd->bdac', t43, t15, optimize=[(0, 1)])
-    t56 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = np.reshape(t57, (d_V, d_K, d_V, d_V), copy=False)
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t60 = oe.contract('abc,acd->bdac', t43, G, optimize=[(0, 1)])
-    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
-    t62 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
-    t63 = oe.contract('abc,cd,ace,ef->bfad', t2, t62, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64 = oe.contract('abc,acd->bdac', t43, t34, optimize=[(0, 1)])
-    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
-    t67 = np.swapaxes(T, -1, -2)
-    t68 = t44 * t67
-    t69 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
-    t70 = oe.contract('abc,acd,ade->bead', t2, t68, X, optimize=[(0, 1), (0, 1)])
-    t71 = np.swapaxes(G, -1, -2)
-    t72 = oe.contract('abc,cd,ace->bead', t2, t59, t9, optimize=[(0, 1), (0, 1)])
-    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
-    t66[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t66 += oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t75 = np.reshape(t74, (d_V, d_V, d_V, d_K), copy=False)
-    t76 = oe.contract('abc,acd,ade->bead', t2, t68, t15, optimize=[(0, 1), (0, 1)])
-    t77 = oe.contract('abc,dc,ace->bead', t6, t35, X, optimize=[(0, 1), (0, 1)])
-    t78 = oe.contract('abc,acd->bdac', t71, t15, optimize=[(0, 1)])
-    t75[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
-    t75 += oe.contract('abcd,efcd->eafb', t78, t61, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t79[...] = 0
-    t80 = np.reshape(t79, (d_V, d_V, d_V, d_V), copy=False)
-    t81 = np.einsum('abcb->abc', t80)
-    t82 = np.swapaxes(t34, -1, -2)
-    t83 = t82 @ t34
-    t84 = np.ones((d_V,), dtype=X.dtype)
-    t85 = (2/(L*d_V*n_batch)) * t84
-    t86 = oe.contract('abc->bc', t83, optimize=[(0,)])
-    t81 += oe.contract('ab,c->acb', t86, t85, optimize=[(0, 1)])
+    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t10, (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t9), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
+    t18 = X @ W_Q
+    t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t21 = np.einsum('abcb->abc', t17)
+    t22 = t18 @ t4
+    t23 = (1/math.sqrt(d_K)) * t22
+    T = t23
+    t24 = Mcausal * T
+    t25 = np.swapaxes(t6, -1, -2)
+    t26 = t24 @ t25
+    F = t26
+    t27 = F - Y
+    t28 = (2/(L*d_V)) * t27
+    G = t28
+    t29 = G @ t6
+    t30 = Mcausal * t29
+    t31 = t30 @ X
+    t32 = np.ones((d_K,), dtype=X.dtype)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = ((np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 += oe.contract('ab,c->acb', t34, t33, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = t24 @ X
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t39 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t40 = ((np.reshape(t39.transpose(1, 2, 0), (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t41 = np.reshape((np.reshape(t38, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t42 = (np.reshape((np.reshape(t41.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t37), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t44 = np.reshape((np.reshape(t43, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t45 = (np.reshape((np.reshape(t44.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t36[...] = oe.contract('abcd,efcd->eafb', t40, t42, optimize=[(0, 1)])
+    t36 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = np.swapaxes(t18, -1, -2)
+    t50 = np.swapaxes(Mcausal, -1, -2)
+    t51 = (2/(L*d_K*d_V*n_batch)) * t50
+    t52 = (np.reshape(t50.transpose(1, 0), (L, L, 1)) * np.reshape(t51.transpose(1, 0), (L, 1, L)))
+    t53 = (np.reshape(t52.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t54 = np.reshape((np.reshape(t53.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t55 = (np.reshape((np.reshape(t54.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t57 = np.einsum('abcb->abc', t48)
+    t58 = np.swapaxes(t29, -1, -2)
+    t59 = t58 * t50
+    t60 = t59 @ X
+    t61 = ((np.reshape(t60.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 += oe.contract('ab,c->acb', t61, t33, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
+    t64 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t65 = (np.reshape((np.reshape(t54.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67 = np.reshape(t66, (d_V, d_K, d_V, d_V), copy=False)
+    t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t69 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t70 = np.reshape((np.reshape(t68, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t71 = (np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t73 = np.reshape((np.reshape(t72, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t74 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t73.transpose(2, 0, 1, 3), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(3, 1, 0, 2)
+    t75 = ((np.reshape(t37, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t67[...] = oe.contract('abcd,efcd->eafb', t69, t71, optimize=[(0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t77 = np.reshape(t76, (d_V, d_V, d_V, d_K), copy=False)
+    t78 = np.swapaxes(T, -1, -2)
+    t79 = t50 * t78
+    t80 = np.reshape((np.reshape(t38.transpose(1, 0), (L, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t81 = (np.reshape((np.reshape(t80.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t82 = (t79.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t83 = ((np.reshape(t82, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t84 = np.swapaxes(G, -1, -2)
+    t85 = (np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t86 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t77[...] = oe.contract('abcd,efcd->eafb', t81, t83, optimize=[(0, 1)])
+    t77 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t88 = np.reshape(t87, (d_V, d_V, d_V, d_K), copy=False)
+    t89 = ((np.reshape(t82, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t90 = (np.reshape((np.reshape(t80.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t91 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t88[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t88 += oe.contract('abcd,efcd->eafb', t91, t71, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t92[...] = 0
+    t93 = np.reshape(t92, (d_V, d_V, d_V, d_V), copy=False)
+    t94 = np.einsum('abcb->abc', t93)
+    t95 = np.swapaxes(t37, -1, -2)
+    t96 = t95 @ t37
+    t97 = np.ones((d_V,), dtype=X.dtype)
+    t98 = (2/(L*d_V*n_batch)) * t97
+    t99 = t96.sum((0,))
+    t94 += oe.contract('ab,c->acb', t99, t98, optimize=[(0, 1)])
     return H
 
 
@@ -4624,51 +5052,148 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    t10 = W_Q @ t2
-    t11 = X @ t10
-    t12 = (1/math.sqrt(d_K)) * t11
-    T = t12
-    t13 = Mcausal * T
-    t14 = np.swapaxes(t4, -1, -2)
-    t15 = t13 @ t14
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G @ t4
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = X @ W_Q
-    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t20, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t21, X, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = t13 @ X
-    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, t24, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = np.swapaxes(t18, -1, -2)
-    t28 = np.swapaxes(Mcausal, -1, -2)
-    t29 = t27 * t28
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = W_Q @ t2
+    t21 = X @ t20
+    t22 = (1/math.sqrt(d_K)) * t21
+    T = t22
+    t23 = Mcausal * T
+    t24 = np.swapaxes(t4, -1, -2)
+    t25 = t23 @ t24
+    F = t25
+    t26 = F - Y
+    t27 = (2/(L*d_V)) * t26
+    G = t27
+    t28 = G @ t4
+    t29 = Mcausal * t28
     t30 = t29 @ X
-    t31 = np.swapaxes(t21, -1, -2)
-    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t30, t0, t30, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t30, t0, t31, t28, t6, t28, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, t7, X, t0, t31, t28, t6, t28, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    t34 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, X, t21, t0, t31, t28, t6, t28, X, t21, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t31, t28, X, G, t0, t31, t28, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t31, t28, X, G, t0, t31, t28, X, W_V, t24, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t31, t28, X, W_V, t24, t0, t31, t28, X, W_V, t24, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = np.swapaxes(T, -1, -2)
-    t39 = t28 * t38
-    t40 = np.swapaxes(G, -1, -2)
-    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, X, t7, t0, t39, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, X, t7, t0, t40, t28, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, t7, X, t0, t40, t28, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t42 = np.sqrt(np.maximum(t41, 0.0))
-    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, t21, X, t0, t39, t4, Mcausal, t21, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, t21, X, t0, t40, t28, X, t21, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, X, t21, t0, t40, t28, X, t21, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = (np.reshape(t30.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t32 = X @ W_Q
+    t33 = (t32 @ t2)
+    t34 = np.reshape((t31 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t35 = (t34.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t36 = np.reshape((np.reshape(t33.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch))
+    t37 = (t36.transpose(2, 0, 1) @ t6)
+    t38 = np.reshape((np.reshape(t37.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t35.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    t39 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t32.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = t39 * t8
+    t41 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t40.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t42 = np.reshape((np.reshape(t41.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t43 = (n_batch**(-2)) * (t31 * t31).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t38 * Mcausal).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t42 * t10.transpose(0, 2, 3, 1)).sum()
     t44 = np.sqrt(np.maximum(t43, 0.0))
-    t45 = np.swapaxes(t24, -1, -2)
-    t46 = t45 @ t24
-    t47 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t46, t46, optimize=[(0, 1)])
-    t48 = np.sqrt(np.maximum(t47, 0.0))
-    return (t9, t23, t26, t33, t35, t37, t42, t44, t48,)
+    t45 = t23 @ X
+    t46 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t47 = np.reshape((np.reshape(t45, (L*n_batch, d_V)) @ np.reshape(t45.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t48 = t47 * t8
+    t49 = np.reshape((np.reshape(t46.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t46, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t50 = t49 * t9
+    t51 = np.reshape((np.reshape(t48, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t52 = (np.reshape(t51.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t50.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t53 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t45.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t54 = np.reshape((np.reshape(t46.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t55 = (np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ Mcausal), (n_batch, n_batch, L, L, L))
+    t57 = np.reshape((np.reshape(t56.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t9.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t58 = np.reshape((np.reshape(t57.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t54.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
+    t59 = t10 * t9
+    t60 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t61 = t60 * t8
+    t62 = np.reshape((np.reshape(t59, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t63 = (np.reshape(t62.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t61.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t64 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t52 * Mcausal).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t58 * Mcausal).sum() + (1/(d_K*n_batch**2)) * (t63 * Mcausal.transpose(1, 0)).sum()
+    t65 = np.sqrt(np.maximum(t64, 0.0))
+    t66 = np.swapaxes(t28, -1, -2)
+    t67 = np.swapaxes(Mcausal, -1, -2)
+    t68 = t66 * t67
+    t69 = t68 @ X
+    t70 = (np.reshape(t69.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t71 = np.swapaxes(t32, -1, -2)
+    t72 = (t7 @ t71)
+    t73 = np.reshape((t70 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t74 = (t73.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t75 = np.reshape((np.reshape(t72.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t67, (L, L, 1, 1))), (L, L, n_batch))
+    t76 = (t75.transpose(2, 1, 0) @ t6.transpose(0, 2, 1))
+    t77 = np.reshape((np.reshape(t76.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t74.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    t78 = np.reshape((np.reshape(t71.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t71.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t79 = t10 * t78
+    t80 = (np.reshape(t67.transpose(1, 0), (L, L, 1)) * np.reshape(t67.transpose(1, 0), (L, 1, L)))
+    t81 = (np.reshape(t80.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t82 = np.reshape((np.reshape(t81.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t8.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t83 = np.reshape((np.reshape(t82.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t84 = np.reshape((np.reshape(t83.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t81.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t85 = (n_batch**(-2)) * (t70 * t70).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t77 * t67.transpose(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t84 * t79.transpose(0, 2, 3, 1)).sum()
+    t86 = np.sqrt(np.maximum(t85, 0.0))
+    t87 = t39 * t78
+    t88 = np.reshape((np.reshape(t82.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t10.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t89 = np.reshape((np.reshape(t88.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t81.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t90 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t89 * t87.transpose(0, 2, 3, 1)).sum()
+    t91 = np.sqrt(np.maximum(t90, 0.0))
+    t92 = t60 * t78
+    t93 = np.reshape((np.reshape(t11, (L*n_batch**2, L)) @ t67), (n_batch, L, n_batch, L))
+    t94 = (np.reshape(t93.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t92.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t95 = np.reshape((W_V @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t96 = np.reshape((np.reshape(t45, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t97 = np.reshape((np.reshape(t95.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t98 = (np.reshape(t96.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t99 = np.reshape((np.reshape(t98.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ t67), (n_batch, n_batch, L, L, L))
+    t100 = np.reshape((np.reshape(t99.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t78.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t101 = np.reshape((np.reshape(t100.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t97.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
+    t102 = t47 * t78
+    t103 = t49 * t8
+    t104 = np.reshape((np.reshape(t102, (L*n_batch**2, L)) @ t67.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t105 = (np.reshape(t104.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t103.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t106 = (1/(d_K*n_batch**2)) * (t94 * t67).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t101 * t67).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t105 * t67.transpose(1, 0)).sum()
+    t107 = np.sqrt(np.maximum(t106, 0.0))
+    t108 = np.swapaxes(T, -1, -2)
+    t109 = t67 * t108
+    t110 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t4.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t111 = t12 * t110
+    t112 = np.reshape((np.reshape(t8.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t109), (n_batch, n_batch, L, L))
+    t113 = np.reshape((np.reshape(t112.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t109), (n_batch, n_batch, L, L))
+    t114 = t113 * t10.transpose(0, 2, 3, 1)
+    t115 = np.reshape((np.reshape(t111, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t116 = (np.reshape(t115.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t114, (L*n_batch**2, L)))
+    t117 = np.swapaxes(G, -1, -2)
+    t118 = np.reshape((np.reshape(t117.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t4.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t119 = (np.reshape(t10, (n_batch, L, n_batch, L, 1)) * np.reshape(t118, (n_batch, L, n_batch, 1, L)))
+    t120 = np.reshape((np.reshape(t119.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t121 = np.reshape((np.reshape(t120.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t12.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t122 = np.reshape((np.reshape(t121.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t112.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t123 = np.reshape((np.reshape(t117.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t117.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t124 = t12 * t8
+    t125 = t10 * t123
+    t126 = np.reshape((np.reshape(t124, (L*n_batch**2, L)) @ t67), (n_batch, L, n_batch, L))
+    t127 = (np.reshape(t126.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t125.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t128 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t116 * Mcausal.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t122 * t67).sum() + (1/(d_K*n_batch**2)) * (t127 * t67).sum()
+    t129 = np.sqrt(np.maximum(t128, 0.0))
+    t130 = t10 * t110
+    t131 = t113 * t39.transpose(0, 2, 3, 1)
+    t132 = np.reshape((np.reshape(t130, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t133 = (np.reshape(t132.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t131, (L*n_batch**2, L)))
+    t134 = (np.reshape(t39, (n_batch, L, n_batch, L, 1)) * np.reshape(t118, (n_batch, L, n_batch, 1, L)))
+    t135 = np.reshape((np.reshape(t134.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t136 = np.reshape((np.reshape(t135.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t137 = np.reshape((np.reshape(t136.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t112.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t138 = t39 * t123
+    t139 = (np.reshape(t93.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t138.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t140 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t133 * Mcausal.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t137 * t67).sum() + (1/(d_K*n_batch**2)) * (t139 * t67).sum()
+    t141 = np.sqrt(np.maximum(t140, 0.0))
+    t142 = np.swapaxes(t45, -1, -2)
+    t143 = t142 @ t45
+    t144 = (4/(L**2*d_V*n_batch**2)) * (t143.sum((0,)) * t143.sum((0,))).sum()
+    t145 = np.sqrt(np.maximum(t144, 0.0))
+    return (t19, t44, t65, t86, t91, t107, t129, t141, t145,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4689,9 +5214,12 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t12 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_K, L, 1)) * np.reshape(t3, (n_batch, d_K, 1, L)))
+    t13 = ((np.reshape(t12, (n_batch, d_K, L**2)) @ np.reshape(t11.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
+    t14 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4710,7 +5238,12 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t9 = (t7 @ t2)
+    t10 = t9 * t6.transpose(0, 2, 1)
+    t11 = (np.reshape(t8.transpose(1, 0), (L, n_batch, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t12 = (np.reshape(t11, (L, L*n_batch)) @ np.reshape(t10.transpose(0, 2, 1), (L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4731,9 +5264,12 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4752,9 +5288,19 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -4775,27 +5321,30 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = np.einsum('abcb->abc', t0)
-    t13 = t8 @ t3
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = Mcausal * T
-    t16 = np.swapaxes(t5, -1, -2)
-    t17 = t15 @ t16
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G @ t5
-    t21 = Mcausal * t20
-    t22 = t21 @ X
-    t23 = np.ones((d_K,), dtype=X.dtype)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
-    t12 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
+    t10 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t15 = np.einsum('abcb->abc', t0)
+    t16 = t8 @ t3
+    t17 = (1/math.sqrt(d_K)) * t16
+    T = t17
+    t18 = Mcausal * T
+    t19 = np.swapaxes(t5, -1, -2)
+    t20 = t18 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = G @ t5
+    t24 = Mcausal * t23
+    t25 = t24 @ X
+    t26 = np.ones((d_K,), dtype=X.dtype)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = ((np.reshape(t25.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
+    t15 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4824,11 +5373,28 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = G @ t11
     t13 = Mcausal * t12
     t14 = t13 @ X
-    t15 = t7 @ t11
-    t16 = X @ W_Q
-    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t14, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t15, Mcausal, t16, X, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t15 = (np.reshape(t14.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t16 = t7 @ t11
+    t17 = X @ W_Q
+    t18 = (t17 @ t2)
+    t19 = np.reshape((t15 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t20 = (t19.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t21 = np.reshape((np.reshape(t18.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch))
+    t22 = (t21.transpose(2, 0, 1) @ t16)
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t26 * t24
+    t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t30 = (np.reshape(t29.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t16.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t31 = np.reshape((np.reshape(t30.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t31.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t27.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t30.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = (n_batch**(-2)) * (t15 * t15).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t23 * Mcausal).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t33 * t28.transpose(0, 2, 3, 1)).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return t35
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -4850,18 +5416,21 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = Mcausal * T
     t8 = t7 @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
-    t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
-    t12 = t8 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = oe.contract('abc,cd,ace->bead', t1, t15, G, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t10 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t11 = ((np.reshape(t10.transpose(1, 2, 0), (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t12 = np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t13 = (np.reshape((np.reshape(t12.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t8), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = t8 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t19 = (np.reshape((np.reshape(t18.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4881,14 +5450,35 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = Mcausal * T
     t7 = t6 @ X
-    t8 = t7 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t7, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t8, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t10
+    t15 = np.reshape((np.reshape(t12, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t16 = (np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t17 = t7 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = (np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ Mcausal), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t21.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
+    t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t26 * t10
+    t28 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = t28 * t9
+    t30 = np.reshape((np.reshape(t27, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t31 = (np.reshape(t30.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t29.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t32 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t16 * Mcausal).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t25 * Mcausal).sum() + (1/(d_K*n_batch**2)) * (t31 * Mcausal.transpose(1, 0)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return t33
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -4910,9 +5500,12 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t11 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t12 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t14 = (np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t1, (n_batch, d_V, 1, L)))
+    t15 = ((np.reshape(t14, (n_batch, d_V, L**2)) @ np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4932,7 +5525,12 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = np.swapaxes(t2, -1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
+    t10 = (X @ t0)
+    t11 = t10 * t7.transpose(0, 2, 1)
+    t12 = (np.reshape(t9.transpose(1, 0), (L, n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t13 = (np.reshape(t12, (L, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.transpose(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4954,30 +5552,33 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_K
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t13 = np.einsum('abcb->abc', t0)
-    t14 = np.swapaxes(t6, -1, -2)
-    t15 = np.swapaxes(t3, -1, -2)
-    t16 = np.swapaxes(t9, -1, -2)
-    t17 = t15 @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = t19 @ t14
-    F = t20
-    t21 = F - Y
-    t22 = (2/(L*d_V)) * t21
-    G = t22
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = t14 @ t23
-    t25 = t24 * t4
-    t26 = t25 @ X
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t29 = oe.contract('abc,acd->bd', t1, t26, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
-    t13 += oe.contract('ab,c->acb', t29, t28, optimize=[(0, 1)])
+    t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t16 = np.einsum('abcb->abc', t0)
+    t17 = np.swapaxes(t6, -1, -2)
+    t18 = np.swapaxes(t3, -1, -2)
+    t19 = np.swapaxes(t9, -1, -2)
+    t20 = t18 @ t19
+    t21 = (1/math.sqrt(d_K)) * t20
+    T = t21
+    t22 = Mcausal * T
+    t23 = t22 @ t17
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = t17 @ t26
+    t28 = t27 * t4
+    t29 = t28 @ X
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = ((np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
     return out
 
 
@@ -5008,14 +5609,31 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(Mcausal, -1, -2)
     t15 = t13 * t14
     t16 = t15 @ X
-    t17 = np.swapaxes(W_Q, -1, -2)
-    t18 = t17 @ t0
-    t19 = np.swapaxes(t7, -1, -2)
-    t20 = t7 @ t19
-    t21 = np.swapaxes(t2, -1, -2)
-    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t16, t0, t18, t14, t20, t14, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t18, t14, t20, t14, t21, X, t0, t18, t14, t20, t14, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return t23
+    t17 = (np.reshape(t16.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t18 = np.swapaxes(W_Q, -1, -2)
+    t19 = t18 @ t0
+    t20 = np.swapaxes(t7, -1, -2)
+    t21 = t7 @ t20
+    t22 = np.swapaxes(t2, -1, -2)
+    t23 = (t22 @ t19)
+    t24 = np.reshape((t17 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t25 = (t24.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t26 = np.reshape((np.reshape(t23.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t14, (L, L, 1, 1))), (L, L, n_batch))
+    t27 = (t26.transpose(2, 1, 0) @ t21.transpose(0, 2, 1))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t25.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t19.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = np.reshape((np.reshape(t22, (L*n_batch, d_K)) @ np.reshape(t22.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = t32 * t30
+    t34 = (np.reshape(t14.transpose(1, 0), (L, L, 1)) * np.reshape(t14.transpose(1, 0), (L, 1, L)))
+    t35 = (np.reshape(t34.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t21.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t36 = np.reshape((np.reshape(t35.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t29.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t37 = np.reshape((np.reshape(t36.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t31.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t38 = np.reshape((np.reshape(t37.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t35.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t39 = (n_batch**(-2)) * (t17 * t17).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t28 * t14.transpose(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t38 * t33.transpose(0, 2, 3, 1)).sum()
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    return t40
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5037,9 +5655,12 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t12 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t14 = np.reshape((np.reshape(t13.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t15 = (np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5059,9 +5680,19 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = np.swapaxes(t2, -1, -2)
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (np.reshape(t3.transpose(1, 0), (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t15 = (np.reshape(t14.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t15.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.transpose(0, 2, 3, 1)).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5091,14 +5722,17 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t18 = t10 @ X
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t20 = oe.contract('abc,cd,ace,ef->bfad', t1, t19, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t3, t18, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = t10 @ X
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t21 = np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t23 = (np.reshape((t22.transpose(1, 0, 2) @ np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(3, 1, 0, 2)
+    t24 = ((np.reshape(t19, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5126,10 +5760,32 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t9 @ X
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t14, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t14, t0, t2, t3, X, W_V, t14, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = np.reshape((np.reshape(t17, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t21 = (np.reshape(t20.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t19.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t22 = t9 @ X
+    t23 = np.reshape((W_V @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t24 = np.reshape((np.reshape(t22, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t23.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = (np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ t3), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t29 = np.reshape((np.reshape(t28.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t25.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
+    t30 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t31 = np.reshape((np.reshape(t22, (L*n_batch, d_V)) @ np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t31 * t15
+    t33 = np.reshape((np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t30, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t33 * t14
+    t35 = np.reshape((np.reshape(t32, (L*n_batch**2, L)) @ t3.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t36 = (np.reshape(t35.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t34.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t37 = (1/(d_K*n_batch**2)) * (t21 * t3).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t29 * t3).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t36 * t3.transpose(1, 0)).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    return t38
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5157,7 +5813,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t16 = oe.contract('abb->b', t13)
     t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -5183,7 +5839,7 @@ def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    return (2/(L*n_batch)) * oe.contract('abb->', t12, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t12)
 
 
 def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5209,21 +5865,24 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = np.swapaxes(t4, -1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t16 = Mcausal * T
-    t17 = np.swapaxes(t11, -1, -2)
-    t18 = t16 @ t17
-    F = t18
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t23 = oe.contract('abc,cd,ace->bead', t1, t22, t12, optimize=[(0, 1), (0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t14 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t15 = (np.reshape((np.reshape(t14.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t16 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t17 = ((np.reshape(t16, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t18 = Mcausal * T
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = t18 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5247,17 +5906,37 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t9 @ t0
     t11 = np.swapaxes(t3, -1, -2)
-    t12 = Mcausal * T
-    t13 = np.swapaxes(t10, -1, -2)
-    t14 = t12 @ t13
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t17, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, t11, X, t0, t17, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t11, (L*n_batch, d_K)) @ np.reshape(t11.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = np.reshape((np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t19 = t18 * t14.transpose(0, 2, 3, 1)
+    t20 = np.reshape((np.reshape(t16, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t21 = (np.reshape(t20.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t19, (L*n_batch**2, L)))
+    t22 = Mcausal * T
+    t23 = np.swapaxes(t10, -1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = (np.reshape(t14, (n_batch, L, n_batch, L, 1)) * np.reshape(t28, (n_batch, L, n_batch, 1, L)))
+    t30 = np.reshape((np.reshape(t29.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t31 = np.reshape((np.reshape(t30.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t15.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t17.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t33 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t15 * t12
+    t35 = t14 * t33
+    t36 = np.reshape((np.reshape(t34, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t37 = (np.reshape(t36.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t35.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t21 * Mcausal.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t32 * t1).sum() + (1/(d_K*n_batch**2)) * (t37 * t1).sum()
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    return t39
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5283,21 +5962,24 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_Q
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t14 = oe.contract('abc,acd,ade->bead', t1, t9, t12, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,dc,ace->bead', t11, t13, X, optimize=[(0, 1), (0, 1)])
-    t16 = Mcausal * T
-    t17 = np.swapaxes(t11, -1, -2)
-    t18 = t16 @ t17
-    F = t18
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t23 = oe.contract('abc,acd->bdac', t21, t12, optimize=[(0, 1)])
-    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t14 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t15 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t16 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = Mcausal * T
+    t19 = np.swapaxes(t11, -1, -2)
+    t20 = t18 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t25 = ((np.reshape(t12, (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t27 = (np.reshape((np.reshape(t26.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t25, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5321,17 +6003,37 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t9 @ t0
     t11 = X @ W_Q
-    t12 = Mcausal * T
-    t13 = np.swapaxes(t10, -1, -2)
-    t14 = t12 @ t13
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t17, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, X, t11, t0, t17, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_K)) @ np.reshape(t11.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = np.reshape((np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t19 = t18 * t14.transpose(0, 2, 3, 1)
+    t20 = np.reshape((np.reshape(t16, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t21 = (np.reshape(t20.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t19, (L*n_batch**2, L)))
+    t22 = Mcausal * T
+    t23 = np.swapaxes(t10, -1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = (np.reshape(t14, (n_batch, L, n_batch, L, 1)) * np.reshape(t28, (n_batch, L, n_batch, 1, L)))
+    t30 = np.reshape((np.reshape(t29.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t31 = np.reshape((np.reshape(t30.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t15.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t17.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t33 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t15 * t12
+    t35 = t14 * t33
+    t36 = np.reshape((np.reshape(t34, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t37 = (np.reshape(t36.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t35.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t21 * Mcausal.transpose(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t32 * t1).sum() + (1/(d_K*n_batch**2)) * (t37 * t1).sum()
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    return t39
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5361,7 +6063,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t17 = t14.sum((0,))
     t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
     return out
 
@@ -5387,7 +6089,7 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
     t14 = np.sqrt(np.maximum(t13, 0.0))
     return t14
 
@@ -5407,11 +6109,21 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = np.swapaxes(t2, -1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = t8 + 0.0 + 0.0
-    t10 = np.sqrt(np.maximum(t8, 0.0))
-    t11 = np.sqrt(np.maximum(t9, 0.0))
-    return (t10, 0.0, t11,)
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = t18 + 0.0 + 0.0
+    t20 = np.sqrt(np.maximum(t18, 0.0))
+    t21 = np.sqrt(np.maximum(t19, 0.0))
+    return (t20, 0.0, t21,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -5429,28 +6141,44 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = X @ W_Q
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = t7 @ t2
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = Mcausal * T
-    t12 = np.swapaxes(t4, -1, -2)
-    t13 = t11 @ t12
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = G @ t4
-    t17 = Mcausal * t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t19, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t22 = t8 + t20 + t21
-    t23 = np.sqrt(np.maximum(t8, 0.0))
-    t24 = np.sqrt(np.maximum(t20, 0.0))
-    t25 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, t24, t25,)
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t7, (L*n_batch, d_K)) @ np.reshape(t7.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
+    t14 = (np.reshape(t13.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t6.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = t7 @ t2
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = np.swapaxes(t4, -1, -2)
+    t23 = t21 @ t22
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = G @ t4
+    t27 = Mcausal * t26
+    t28 = t27 @ X
+    t29 = t0 @ t28
+    t30 = (n_batch**(-2)) * (t29.sum((0,)) * t29.sum((0,))).sum()
+    t31 = np.reshape((t29.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t32 = (t7 @ t2)
+    t33 = (t31.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t34 = np.reshape((np.reshape(t32.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch))
+    t35 = (t34.transpose(2, 0, 1) @ t6)
+    t36 = np.reshape((np.reshape(t35.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t33.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    t37 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t36 * Mcausal).sum()
+    t38 = t18 + t30 + t37
+    t39 = np.sqrt(np.maximum(t18, 0.0))
+    t40 = np.sqrt(np.maximum(t30, 0.0))
+    t41 = np.sqrt(np.maximum(t38, 0.0))
+    return (t39, t40, t41,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -5470,19 +6198,39 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t6 = Mcausal * T
     t7 = t6 @ X
     t8 = X @ W_V
-    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t10 = t6 @ t8
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t15 = t9 + t13 + t14
-    t16 = np.sqrt(np.maximum(t9, 0.0))
-    t17 = np.sqrt(np.maximum(t13, 0.0))
-    t18 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, t17, t18,)
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t7, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t10
+    t15 = np.reshape((np.reshape(t12, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t16 = (np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t16 * Mcausal).sum()
+    t18 = t6 @ t8
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t9
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = t23 * t10
+    t25 = np.reshape((np.reshape(t22, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t26 = (np.reshape(t25.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t24.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t27 = (1/(d_K*n_batch**2)) * (t26 * Mcausal).sum()
+    t28 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = (np.reshape(t28, (n_batch, L, n_batch, L, 1)) * np.reshape(t9, (n_batch, L, n_batch, 1, L)))
+    t31 = np.reshape((np.reshape(t30.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t32 = np.reshape((np.reshape(t31.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t29.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
+    t34 = (4/(L*d_K*d_V*n_batch**2)) * (t33 * Mcausal.transpose(1, 0)).sum()
+    t35 = t17 + t27 + t34
+    t36 = np.sqrt(np.maximum(t17, 0.0))
+    t37 = np.sqrt(np.maximum(t27, 0.0))
+    t38 = np.sqrt(np.maximum(t35, 0.0))
+    return (t36, t37, t38,)
 
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5501,31 +6249,47 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = np.swapaxes(t5, -1, -2)
-    t11 = np.swapaxes(t2, -1, -2)
-    t12 = np.swapaxes(t8, -1, -2)
-    t13 = t11 @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = Mcausal * T
-    t16 = t15 @ t10
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = t10 @ t19
-    t21 = t20 * t3
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t23, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
-    t26 = t9 + t24 + t25
-    t27 = np.sqrt(np.maximum(t9, 0.0))
-    t28 = np.sqrt(np.maximum(t24, 0.0))
-    t29 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27, t28, t29,)
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (np.reshape(t3.transpose(1, 0), (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t15 = (np.reshape(t14.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t15.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.transpose(0, 2, 3, 1)).sum()
+    t20 = np.swapaxes(t5, -1, -2)
+    t21 = np.swapaxes(t2, -1, -2)
+    t22 = np.swapaxes(t8, -1, -2)
+    t23 = t21 @ t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = Mcausal * T
+    t26 = t25 @ t20
+    F = t26
+    t27 = F - Y
+    t28 = (2/(L*d_V)) * t27
+    G = t28
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = t20 @ t29
+    t31 = t30 * t3
+    t32 = t31 @ X
+    t33 = t0 @ t32
+    t34 = (n_batch**(-2)) * (t33.sum((0,)) * t33.sum((0,))).sum()
+    t35 = np.reshape((t33.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t36 = (t8 @ t2)
+    t37 = (t35.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t38 = np.reshape((np.reshape(t36.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t3, (L, L, 1, 1))), (L, L, n_batch))
+    t39 = (t38.transpose(2, 1, 0) @ t7.transpose(0, 2, 1))
+    t40 = np.reshape((np.reshape(t39.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t37.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    t41 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t40 * t3.transpose(1, 0)).sum()
+    t42 = t19 + t34 + t41
+    t43 = np.sqrt(np.maximum(t19, 0.0))
+    t44 = np.sqrt(np.maximum(t34, 0.0))
+    t45 = np.sqrt(np.maximum(t42, 0.0))
+    return (t43, t44, t45,)
 
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -5544,11 +6308,21 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = np.swapaxes(t2, -1, -2)
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = t9 + 0.0 + 0.0
-    t11 = np.sqrt(np.maximum(t9, 0.0))
-    t12 = np.sqrt(np.maximum(t10, 0.0))
-    return (t11, 0.0, t12,)
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (np.reshape(t3.transpose(1, 0), (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
+    t15 = (np.reshape(t14.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t15.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.transpose(0, 2, 3, 1)).sum()
+    t20 = t19 + 0.0 + 0.0
+    t21 = np.sqrt(np.maximum(t19, 0.0))
+    t22 = np.sqrt(np.maximum(t20, 0.0))
+    return (t21, 0.0, t22,)
 
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -5571,19 +6345,39 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = Mcausal * T
     t11 = t10 @ X
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = t10 @ t4
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t18 = t12 + t16 + t17
-    t19 = np.sqrt(np.maximum(t12, 0.0))
-    t20 = np.sqrt(np.maximum(t16, 0.0))
-    t21 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, t20, t21,)
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t4, (L*n_batch, d_V)) @ np.reshape(t4.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = np.reshape((np.reshape(t11, (L*n_batch, d_V)) @ np.reshape(t11.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t13
+    t18 = np.reshape((np.reshape(t15, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t19 = (np.reshape(t18.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t17.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t20 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t19 * t3).sum()
+    t21 = t10 @ t4
+    F = t21
+    t22 = F - Y
+    t23 = (2/(L*d_V)) * t22
+    G = t23
+    t24 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t24 * t12
+    t26 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t26 * t13
+    t28 = np.reshape((np.reshape(t25, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t29 = (np.reshape(t28.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t30 = (1/(d_K*n_batch**2)) * (t29 * t3).sum()
+    t31 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t11.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(t4.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = (np.reshape(t31, (n_batch, L, n_batch, L, 1)) * np.reshape(t12, (n_batch, L, n_batch, 1, L)))
+    t34 = np.reshape((np.reshape(t33.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t35 = np.reshape((np.reshape(t34.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t13.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t36 = np.reshape((np.reshape(t35.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t32.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
+    t37 = (4/(L*d_K*d_V*n_batch**2)) * (t36 * t3.transpose(1, 0)).sum()
+    t38 = t20 + t30 + t37
+    t39 = np.sqrt(np.maximum(t20, 0.0))
+    t40 = np.sqrt(np.maximum(t30, 0.0))
+    t41 = np.sqrt(np.maximum(t38, 0.0))
+    return (t39, t40, t41,)
 
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5607,22 +6401,42 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
     t12 = np.swapaxes(t3, -1, -2)
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = Mcausal * T
-    t15 = np.swapaxes(t11, -1, -2)
-    t16 = t14 @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, t12, X, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t22 = t13 + t20 + t21
-    t23 = np.sqrt(np.maximum(t13, 0.0))
-    t24 = np.sqrt(np.maximum(t20, 0.0))
-    t25 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, t24, t25,)
+    t13 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = np.reshape((np.reshape(t12, (L*n_batch, d_K)) @ np.reshape(t12.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = np.reshape((np.reshape(t16, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t20 = (np.reshape(t19.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t18.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = Mcausal * T
+    t23 = np.swapaxes(t11, -1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t17 * t28
+    t31 = t15 * t29
+    t32 = np.reshape((np.reshape(t30, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t33 = (np.reshape(t32.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t31.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t34 = (1/(d_K*n_batch**2)) * (t33 * t1).sum()
+    t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = (np.reshape(t17, (n_batch, L, n_batch, L, 1)) * np.reshape(t35, (n_batch, L, n_batch, 1, L)))
+    t38 = np.reshape((np.reshape(t37.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t39 = np.reshape((np.reshape(t38.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t36.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t40 = np.reshape((np.reshape(t39.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
+    t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.transpose(1, 0)).sum()
+    t42 = t21 + t34 + t41
+    t43 = np.sqrt(np.maximum(t21, 0.0))
+    t44 = np.sqrt(np.maximum(t34, 0.0))
+    t45 = np.sqrt(np.maximum(t42, 0.0))
+    return (t43, t44, t45,)
 
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -5646,22 +6460,42 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t10 @ t0
     t12 = X @ W_Q
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = Mcausal * T
-    t15 = np.swapaxes(t11, -1, -2)
-    t16 = t14 @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, X, t12, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t22 = t13 + t20 + t21
-    t23 = np.sqrt(np.maximum(t13, 0.0))
-    t24 = np.sqrt(np.maximum(t20, 0.0))
-    t25 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, t24, t25,)
+    t13 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12, (L*n_batch, d_K)) @ np.reshape(t12.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = np.reshape((np.reshape(t16, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t20 = (np.reshape(t19.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t18.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = Mcausal * T
+    t23 = np.swapaxes(t11, -1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t17 * t28
+    t31 = t15 * t29
+    t32 = np.reshape((np.reshape(t30, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t33 = (np.reshape(t32.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t31.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t34 = (1/(d_K*n_batch**2)) * (t33 * t1).sum()
+    t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = (np.reshape(t17, (n_batch, L, n_batch, L, 1)) * np.reshape(t35, (n_batch, L, n_batch, 1, L)))
+    t38 = np.reshape((np.reshape(t37.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t39 = np.reshape((np.reshape(t38.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t36.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
+    t40 = np.reshape((np.reshape(t39.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
+    t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.transpose(1, 0)).sum()
+    t42 = t21 + t34 + t41
+    t43 = np.sqrt(np.maximum(t21, 0.0))
+    t44 = np.sqrt(np.maximum(t34, 0.0))
+    t45 = np.sqrt(np.maximum(t42, 0.0))
+    return (t43, t44, t45,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -5685,7 +6519,7 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
     t14 = t13 + 0.0 + 0.0
     t15 = np.sqrt(np.maximum(t13, 0.0))
     t16 = np.sqrt(np.maximum(t14, 0.0))
@@ -5706,7 +6540,9 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = X @ W_K
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t3[...] = oe.contract('abc,dc,ade,acf->adbef', t2, t5, X, t4, optimize=[(0, 1), (1, 2), (0, 1)])
+    t6 = np.reshape((np.reshape(t5.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t7 = np.reshape((np.reshape(t6.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t4), (n_batch, L, d_V, d_K))
+    t3[...] = (np.reshape((np.reshape(t7, (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
     return out
 
 
@@ -5721,9 +6557,10 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t2 = t0 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = X @ W_K
-    J = oe.contract('abc,dc,ace->adbe', t2, Mcausal, t3, optimize=[(0, 1), (0, 1)])
-    J4 = (1/math.sqrt(d_K)) * X
-    return (J, J4, )
+    t4 = np.reshape((np.reshape(Mcausal.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    J = np.reshape((np.reshape(t4.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t3), (n_batch, L, d_V, d_K))
+    J5 = (1/math.sqrt(d_K)) * X
+    return (J, J5, )
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -5740,7 +6577,9 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = X @ W_Q
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t3[...] = oe.contract('abc,dc,ade,acf->adbfe', t2, t5, t4, X, optimize=[(0, 1), (1, 2), (0, 1)])
+    t6 = np.reshape((np.reshape(t5.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t7 = np.reshape((np.reshape(t6.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t3[...] = np.reshape((np.reshape(t7, (n_batch, L, d_V**2, 1)) * np.reshape(t4, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -5754,10 +6593,11 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    J = oe.contract('abc,dc,ace->adbe', t2, Mcausal, X, optimize=[(0, 1), (0, 1)])
-    t3 = X @ W_Q
-    J4 = (1/math.sqrt(d_K)) * t3
-    return (J, J4, )
+    t3 = np.reshape((np.reshape(Mcausal.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    J = np.reshape((np.reshape(t3.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t4 = X @ W_Q
+    J5 = (1/math.sqrt(d_K)) * t4
+    return (J, J5, )
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -5893,67 +6733,73 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
-    t21 = X @ W_Q
-    t22 = np.swapaxes(t5, -1, -2)
-    t23 = t22 @ X
-    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
-    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t28 = T @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t30 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
-    t27[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.swapaxes(t23, -1, -2)
-    t35 = np.swapaxes(t21, -1, -2)
-    t36 = np.swapaxes(Y, -1, -2)
-    t37 = t36.sum(-2, keepdims=True)
-    t38 = np.broadcast_to(t37, t37.shape[:-2] + (d_V, t37.shape[-1]))
-    t39 = (1/(L*d_K*n_batch)) * t35
-    t40 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
-    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = oe.contract('abc,acd->bdac', t39, t21, optimize=[(0, 1)])
-    t45 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t35
-    t49 = oe.contract('abc,acd,adce->bead', t34, t38, dA, optimize=[(1, 2), (0, 1)])
-    t50 = oe.contract('abc,acd->bdac', t48, t28, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_V, d_V, d_K), copy=False)
-    t53 = np.swapaxes(t28, -1, -2)
-    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t55 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t17 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
+    t23 = X @ W_Q
+    t24 = np.swapaxes(t5, -1, -2)
+    t25 = t24 @ X
+    t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t28 = ((t27.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
+    t31 = T @ X
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t34 = (np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t35 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
+    t38 = np.swapaxes(t25, -1, -2)
+    t39 = np.swapaxes(t23, -1, -2)
+    t40 = np.swapaxes(Y, -1, -2)
+    t41 = t40.sum(-2, keepdims=True)
+    t42 = np.broadcast_to(t41, t41.shape[:-2] + (d_V, t41.shape[-1]))
+    t43 = (1/(L*d_K*n_batch)) * t39
+    t44 = (np.reshape(t42, (n_batch, d_V, L, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t45 = ((t18.transpose(0, 2, 1, 3) @ t44.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t37[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t50 = ((t27.transpose(0, 2, 1, 3) @ t44.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_V), copy=False)
+    t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t54 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t55 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t38.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t56 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
-    t59 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
-    t60 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
-    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
-    t63 = (1/(L*n_batch)) * t53
-    t64 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t65 = oe.contract('abc,acd->bdac', t63, t28, optimize=[(0, 1)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t59 = np.swapaxes(t31, -1, -2)
+    t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t61 = (np.reshape((np.reshape(t33, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t62 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_V, d_V, d_K), copy=False)
+    t65 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t66 = (np.reshape((np.reshape(t33, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t64[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
+    t69 = (1/(L*n_batch)) * t59
+    t70 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t71 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t68[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
     return H
 
 
@@ -6028,37 +6874,77 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    t16 = X @ W_Q
-    t17 = np.swapaxes(t3, -1, -2)
-    t18 = t17 @ X
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t16, t18, t0, t4, t6, dA, t16, t18, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = T @ X
-    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t21, t0, t4, t6, dA, t21, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = np.swapaxes(t18, -1, -2)
-    t25 = np.swapaxes(t16, -1, -2)
-    t26 = np.swapaxes(Y, -1, -2)
-    t27 = t26.sum(-2, keepdims=True)
-    t28 = np.broadcast_to(t27, t27.shape[:-2] + (d_V, t27.shape[-1]))
-    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, X, t13, t24, t25, t28, dA, X, t13, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, t16, t18, t24, t25, t28, dA, t16, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t24, t25, t28, dA, t21, t24, t25, t28, dA, t21, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    t35 = np.swapaxes(t21, -1, -2)
-    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, X, t13, t35, t6, dA, X, t13, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, t16, t18, t35, t6, dA, t16, t18, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 = np.sqrt(np.maximum(t38, 0.0))
-    t40 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t35, t6, dA, t21, t35, t6, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = X @ W_Q
+    t24 = np.swapaxes(t3, -1, -2)
+    t25 = t24 @ X
+    t26 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t27 = np.reshape((np.reshape(t23, (L*n_batch, d_K)) @ np.reshape(t23.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = t27 * t15
+    t29 = np.reshape((np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t30 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t31 = np.reshape((np.reshape(t30, (L*n_batch, d_K*d_V)) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t28).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    t34 = T @ X
+    t35 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t37 = np.reshape((np.reshape(t36, (L*n_batch, d_K*d_V)) @ np.reshape(t36.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t37 * t15
+    t39 = np.reshape((np.reshape(t34, (L*n_batch, d_V)) @ np.reshape(t34.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = (1/(L**2*d_K*n_batch**2)) * (t39 * t38).sum()
     t41 = np.sqrt(np.maximum(t40, 0.0))
-    return (t15, t20, t23, t30, t32, t34, t37, t39, t41,)
+    t42 = np.swapaxes(t25, -1, -2)
+    t43 = np.swapaxes(t23, -1, -2)
+    t44 = np.swapaxes(Y, -1, -2)
+    t45 = t44.sum(-2, keepdims=True)
+    t46 = np.broadcast_to(t45, t45.shape[:-2] + (d_V, t45.shape[-1]))
+    t47 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t43.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t48 = t16 * t47
+    t49 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t50 = np.reshape((np.reshape(t49.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t42.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+    t51 = np.reshape((np.reshape(t50, (L*n_batch, d_K*d_V)) @ np.reshape(t50.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t52 = (1/(L**2*d_K**2*n_batch**2)) * (t51 * t48).sum()
+    t53 = np.sqrt(np.maximum(t52, 0.0))
+    t54 = t27 * t47
+    t55 = np.reshape((np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t42.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t57 = np.reshape((np.reshape(t56, (L*n_batch, d_V**2)) @ np.reshape(t56.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t58 = (1/(L**2*d_K**2*n_batch**2)) * (t57 * t54).sum()
+    t59 = np.sqrt(np.maximum(t58, 0.0))
+    t60 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t61 = np.reshape((np.reshape(t60.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t42.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t62 = np.reshape((np.reshape(t61, (L*n_batch, d_V**2)) @ np.reshape(t61.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t63 = t62 * t47
+    t64 = (1/(L**2*d_K*n_batch**2)) * (t39 * t63).sum()
+    t65 = np.sqrt(np.maximum(t64, 0.0))
+    t66 = np.swapaxes(t34, -1, -2)
+    t67 = np.reshape((np.reshape(t66.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t66.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t68 = np.reshape((np.reshape(t35, (n_batch, L*d_V, d_V)) @ t13), (n_batch, L, d_V, d_K))
+    t69 = np.reshape((np.reshape(t68, (L*n_batch, d_K*d_V)) @ np.reshape(t68.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t70 = t16 * t67
+    t71 = (1/(L**2*d_K*n_batch**2)) * (t70 * t69).sum()
+    t72 = np.sqrt(np.maximum(t71, 0.0))
+    t73 = np.reshape((np.reshape(t35, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))
+    t74 = np.reshape((np.reshape(t73, (L*n_batch, d_V**2)) @ np.reshape(t73.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t75 = t27 * t67
+    t76 = (1/(L**2*d_K*n_batch**2)) * (t75 * t74).sum()
+    t77 = np.sqrt(np.maximum(t76, 0.0))
+    t78 = np.reshape((np.reshape(t35, (L*n_batch, d_V**2)) @ np.reshape(t35.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t79 = t78 * t67
+    t80 = (1/(L**2*n_batch**2)) * (t79 * t39).sum()
+    t81 = np.sqrt(np.maximum(t80, 0.0))
+    return (t22, t33, t41, t53, t59, t65, t72, t77, t81,)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6085,12 +6971,14 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t18 = (np.reshape((np.reshape(t17, (n_batch, d_K, L, 1, d_V)) @ np.reshape(t16.transpose(0, 3, 2, 1), (n_batch, d_K, L, d_V, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
+    t19 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6116,9 +7004,13 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t15 = (t13 @ t4)
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)) @ dA.transpose(0, 2, 3, 1)), (n_batch, d_V, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t6, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t17 * t14).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6145,12 +7037,14 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t18 = ((t17.transpose(0, 2, 1, 3) @ t16.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6176,11 +7070,18 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6207,14 +7108,16 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t20 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t21 = ((t20.transpose(0, 2, 1, 3) @ t19.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6240,13 +7143,20 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t16 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t13, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_K*d_V)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6273,12 +7183,13 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce->bead', t5, t7, dA, optimize=[(1, 2), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t18 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6304,11 +7215,17 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = T @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t13, t0, t4, t6, dA, t13, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t15, (L*n_batch, d_K*d_V)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6338,12 +7255,14 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t22 = (np.reshape((np.reshape(t21, (n_batch, d_V, L, 1, d_V)) @ np.reshape(t20.transpose(0, 3, 2, 1), (n_batch, d_V, L, d_V, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6372,9 +7291,13 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t2, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
+    t18 = (t16 @ t2)
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)) @ dA.transpose(0, 2, 3, 1)), (n_batch, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6404,14 +7327,16 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t21 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t22 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t23 = ((t22.transpose(0, 2, 1, 3) @ t21.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -6440,13 +7365,20 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t19 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t20 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+    t25 = np.reshape((np.reshape(t24, (L*n_batch, d_K*d_V)) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6476,12 +7408,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6510,11 +7444,18 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t2, -1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t18
+    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6544,12 +7485,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = oe.contract('abc,acd,adce->bead', t3, t8, dA, optimize=[(1, 2), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, t17, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t21 = ((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6578,11 +7520,17 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = T @ X
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t2, t4, t7, dA, t16, t2, t4, t7, dA, t16, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t18, (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t16, (L*n_batch, d_V)) @ np.reshape(t16.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t21).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6610,10 +7558,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t17 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -6641,8 +7589,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6670,15 +7620,16 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t1
     t17 = np.swapaxes(t3, -1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (np.reshape((np.reshape(t20, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6705,14 +7656,20 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
     t17 = t15 @ t16
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_K))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_K*d_V)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6740,15 +7697,16 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = X @ W_Q
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t1
     t18 = t17 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t20 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (np.reshape((np.reshape(t21, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6775,14 +7733,20 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, t14, t17, t7, t9, dA, t14, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_V**2)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6810,10 +7774,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -6841,10 +7805,15 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -6884,22 +7853,22 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t24 = t21.sum((0,))
     t3 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
     t27 = t4 @ G
     t28 = t8 @ X
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t30 = oe.contract('abc->bca', t29, optimize=[(0,)])
-    t31 = oe.contract('abc->bca', t28, optimize=[(0,)])
+    t30 = t29.transpose(1, 2, 0)
+    t31 = t28.transpose(1, 2, 0)
     t26[...] = oe.contract('abc,dec->adeb', t30, t31, optimize=[(0, 1)])
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32[...] = 0
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
     t34 = np.einsum('abcb->abc', t33)
     t35 = np.swapaxes(t21, -1, -2)
-    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t36 = t35.sum((0,))
     t34 += oe.contract('ab,c->acb', t36, t23, optimize=[(0, 1)])
     t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t37[...] = 0
@@ -6910,21 +7879,21 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t42 = t41 @ t4
     t43 = t42 @ G
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t45 = oe.contract('abc->bca', t43, optimize=[(0,)])
-    t46 = oe.contract('abc->bca', t44, optimize=[(0,)])
+    t45 = t43.transpose(1, 2, 0)
+    t46 = t44.transpose(1, 2, 0)
     t39[...] = oe.contract('abc,dec->daeb', t45, t46, optimize=[(0, 1)])
     t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
     t49 = np.swapaxes(t28, -1, -2)
     t50 = np.swapaxes(t27, -1, -2)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t52 = oe.contract('abc->bca', t51, optimize=[(0,)])
-    t53 = oe.contract('abc->bca', t50, optimize=[(0,)])
+    t52 = t51.transpose(1, 2, 0)
+    t53 = t50.transpose(1, 2, 0)
     t48[...] = oe.contract('abc,dec->adeb', t52, t53, optimize=[(0, 1)])
     t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
     t56 = np.swapaxes(t43, -1, -2)
-    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t57 = t56.transpose(1, 2, 0)
     t55[...] = oe.contract('abc,dec->daeb', t57, t46, optimize=[(0, 1)])
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t58[...] = 0
@@ -7014,29 +7983,36 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 @ X
     t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t18 = (n_batch**(-2)) * (t17.sum((0,)) * t17.sum((0,))).sum()
     t19 = np.sqrt(np.maximum(t18, 0.0))
     t20 = t0 @ G
     t21 = t4 @ X
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = np.swapaxes(t17, -1, -2)
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = t0 @ X
-    t28 = np.swapaxes(W_Q, -1, -2)
-    t29 = t28 @ t0
-    t30 = t29 @ G
-    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t30, t27, t30, optimize=[(0, 2), (0, 1), (0, 1)])
-    t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = np.swapaxes(t21, -1, -2)
-    t34 = np.swapaxes(t20, -1, -2)
-    t35 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t34, t33, t34, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = (np.reshape(t20, (n_batch, d_V**2)) @ np.reshape(t20.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t23 = (np.reshape(t21, (n_batch, d_K*d_V)) @ np.reshape(t21.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t24 = (1/(d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    t26 = np.swapaxes(t17, -1, -2)
+    t27 = (n_batch**(-2)) * (t26.sum((0,)) * t26.sum((0,))).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    t29 = t0 @ X
+    t30 = np.swapaxes(W_Q, -1, -2)
+    t31 = t30 @ t0
+    t32 = t31 @ G
+    t33 = (np.reshape(t29, (n_batch, d_V**2)) @ np.reshape(t29.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t34 = (np.reshape(t32, (n_batch, d_K*d_V)) @ np.reshape(t32.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
     t36 = np.sqrt(np.maximum(t35, 0.0))
-    t37 = np.swapaxes(t30, -1, -2)
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t37, t27, t37, optimize=[(0, 2), (0, 1), (0, 1)])
-    t39 = np.sqrt(np.maximum(t38, 0.0))
-    return (0.0, t19, t23, t26, 0.0, t32, t36, t39, 0.0,)
+    t37 = np.swapaxes(t21, -1, -2)
+    t38 = np.swapaxes(t20, -1, -2)
+    t39 = (np.reshape(t37, (n_batch, d_K*d_V)) @ np.reshape(t37.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t40 = (np.reshape(t38, (n_batch, d_V**2)) @ np.reshape(t38.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t39).sum()
+    t42 = np.sqrt(np.maximum(t41, 0.0))
+    t43 = np.swapaxes(t32, -1, -2)
+    t44 = (np.reshape(t43, (n_batch, d_K*d_V)) @ np.reshape(t43.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t45 = (1/(d_K*n_batch**2)) * (t44 * t33).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return (0.0, t19, t25, t28, 0.0, t36, t42, t46, 0.0,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7113,7 +8089,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t22 = t19.sum((0,))
     t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
     return out
 
@@ -7146,7 +8122,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 @ X
     t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t18 = (n_batch**(-2)) * (t17.sum((0,)) * t17.sum((0,))).sum()
     t19 = np.sqrt(np.maximum(t18, 0.0))
     return t19
 
@@ -7180,8 +8156,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = t1 @ G
     t16 = t5 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t18 = oe.contract('abc->bca', t17, optimize=[(0,)])
-    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t18 = t17.transpose(1, 2, 0)
+    t19 = t16.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -7212,9 +8188,11 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t0 @ G
     t15 = t4 @ X
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t16 = (np.reshape(t14, (n_batch, d_V**2)) @ np.reshape(t14.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t17 = (np.reshape(t15, (n_batch, d_K*d_V)) @ np.reshape(t15.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t18 = (1/(d_K*n_batch**2)) * (t17 * t16).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7272,7 +8250,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc->bc', t20, optimize=[(0,)])
+    t23 = t20.sum((0,))
     t1 += oe.contract('ab,c->acb', t23, t22, optimize=[(0, 1)])
     return out
 
@@ -7306,7 +8284,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = X @ t15
     t17 = t16 @ X
     t18 = t0 @ t17
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)])
+    t19 = (n_batch**(-2)) * (t18.sum((0,)) * t18.sum((0,))).sum()
     t20 = np.sqrt(np.maximum(t19, 0.0))
     return t20
 
@@ -7362,8 +8340,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t4 @ G
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t20 = t18.transpose(1, 2, 0)
+    t21 = t19.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -7396,9 +8374,11 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (1/L) * t15
     G = t16
     t17 = t3 @ G
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t19 = (np.reshape(t17, (n_batch, d_K*d_V)) @ np.reshape(t17.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7451,8 +8431,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = t16 @ X
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t19 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t20 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t19 = t18.transpose(1, 2, 0)
+    t20 = t17.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
@@ -7484,9 +8464,11 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t14
     t15 = np.swapaxes(G, -1, -2)
     t16 = t15 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t16, t2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t17 = (np.reshape(t2, (n_batch, d_K*d_V)) @ np.reshape(t2.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t18 = (np.reshape(t16, (n_batch, d_V**2)) @ np.reshape(t16.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t19 = (1/(d_K*n_batch**2)) * (t18 * t17).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7520,8 +8502,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = X @ W_Q
     t18 = t16 @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t20 = t18.transpose(1, 2, 0)
+    t21 = t19.transpose(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -7554,9 +8536,11 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = X @ W_Q
     t17 = t15 @ t16
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t19 = (np.reshape(t17, (n_batch, d_K*d_V)) @ np.reshape(t17.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7604,105 +8588,115 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
-    t21 = X @ W_Q
-    t22 = np.swapaxes(t5, -1, -2)
-    t23 = t22 @ X
-    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
-    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = np.einsum('abcb->abc', t20)
+    t17 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
+    t23 = X @ W_Q
+    t24 = np.swapaxes(t5, -1, -2)
+    t25 = t24 @ X
+    t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t28 = ((t27.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t29 = np.einsum('abcb->abc', t22)
     F = t12
-    t27 = np.exp(F - F.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = t8 * A28
-    t30 = t29 - Y
-    t31 = (1/L) * t30
-    G = t31
-    t32 = G @ t22
-    t33 = t32 @ X
-    t34 = np.ones((d_K,), dtype=X.dtype)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
-    t39 = t4 @ X
-    t40 = T @ X
-    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42 = oe.contract('abc,cd,aed,aedf->bfae', t39, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, t40, optimize=[(0, 1)])
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,acd->bda', t44, G, optimize=[(0, 1)])
-    t46 = oe.contract('abc->bca', t39, optimize=[(0,)])
-    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t38 += oe.contract('abc,dec->adeb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
-    t49 = np.swapaxes(t23, -1, -2)
-    t50 = np.swapaxes(t21, -1, -2)
-    t51 = np.swapaxes(Y, -1, -2)
-    t52 = t51.sum(-2, keepdims=True)
-    t53 = np.broadcast_to(t52, t52.shape[:-2] + (d_V, t52.shape[-1]))
-    t54 = (1/(L*d_K*n_batch)) * t50
-    t55 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
-    t57 = np.einsum('abcb->abc', t48)
-    t58 = np.swapaxes(G, -1, -2)
-    t59 = oe.contract('abc,acd,ade->be', t49, t58, X, optimize=[(0, 1), (0, 1)])
-    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 += oe.contract('ab,c->acb', t59, t35, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
-    t62 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = np.reshape(t64, (d_V, d_K, d_V, d_V), copy=False)
-    t66 = t2 @ X
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
-    t69 = oe.contract('abc->bca', t66, optimize=[(0,)])
-    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t50
-    t71 = oe.contract('abc,cd,ade,aedf->bfae', t66, W_V, t53, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t72 = oe.contract('abc,acd->bdac', t70, t40, optimize=[(0, 1)])
-    t65[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
-    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
-    t75 = np.swapaxes(t4, -1, -2)
-    t76 = t58 @ X
-    t77 = oe.contract('abc,acd->bda', t44, t75, optimize=[(0, 1)])
-    t78 = oe.contract('abc->bca', t76, optimize=[(0,)])
-    t79 = np.swapaxes(T, -1, -2)
-    t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
-    t81 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
-    t82 = oe.contract('abc,acd,ade->bead', t2, t80, X, optimize=[(0, 1), (0, 1)])
-    t74[...] = oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
-    t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
-    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
-    t85 = t58 @ t21
-    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
-    t87 = oe.contract('abc,acd->bda', t44, X, optimize=[(0, 1)])
-    t88 = oe.contract('abc,acd,ade->bead', t2, t80, t21, optimize=[(0, 1), (0, 1)])
-    t89 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
-    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
-    t84 += oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
-    t90 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t91 = np.reshape(t90, (d_V, d_V, d_V, d_V), copy=False)
-    t92 = np.swapaxes(t40, -1, -2)
-    t93 = (1/(L*n_batch)) * t92
-    t94 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t95 = oe.contract('abc,acd->bdac', t93, t40, optimize=[(0, 1)])
-    t91[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t30 = np.exp(F - F.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t8 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = G @ t24
+    t36 = t35 @ X
+    t37 = np.ones((d_K,), dtype=X.dtype)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = ((np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t29 += oe.contract('ab,c->acb', t39, t38, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
+    t42 = t4 @ X
+    t43 = T @ X
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t45 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t46 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t42.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t47 = (np.reshape((t46.transpose(1, 2, 0) @ np.reshape(t45.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
+    t48 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t50 = ((G.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t51 = t42.transpose(1, 2, 0)
+    t41[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t41 += oe.contract('abc,dec->adeb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+    t54 = np.swapaxes(t25, -1, -2)
+    t55 = np.swapaxes(t23, -1, -2)
+    t56 = np.swapaxes(Y, -1, -2)
+    t57 = t56.sum(-2, keepdims=True)
+    t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
+    t59 = (1/(L*d_K*n_batch)) * t55
+    t60 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t61 = ((t18.transpose(0, 2, 1, 3) @ t60.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t62 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t63 = np.einsum('abcb->abc', t53)
+    t64 = np.swapaxes(G, -1, -2)
+    t65 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
+    t66 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t65, (L*n_batch, d_V)))).transpose(1, 0)
+    t53[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 += oe.contract('ab,c->acb', t66, t38, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
+    t69 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t70 = ((t27.transpose(0, 2, 1, 3) @ t60.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72 = np.reshape(t71, (d_V, d_K, d_V, d_V), copy=False)
+    t73 = t2 @ X
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t75 = ((G.transpose(0, 2, 1) @ t74.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t76 = t73.transpose(1, 2, 0)
+    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+    t78 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t79 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t73.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t80 = (np.reshape((t79.transpose(1, 2, 0) @ np.reshape(t78.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
+    t81 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t72[...] = oe.contract('abc,dec->daeb', t75, t76, optimize=[(0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
+    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t83 = np.reshape(t82, (d_V, d_V, d_V, d_K), copy=False)
+    t84 = np.swapaxes(t4, -1, -2)
+    t85 = t64 @ X
+    t86 = ((t84.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t87 = t85.transpose(1, 2, 0)
+    t88 = np.swapaxes(T, -1, -2)
+    t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
+    t90 = (np.reshape((np.reshape(t45, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t91 = (t89.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t92 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t83[...] = oe.contract('abc,dec->adeb', t86, t87, optimize=[(0, 1)])
+    t83 += oe.contract('abcd,efcd->eafb', t90, t92, optimize=[(0, 1)])
+    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t94 = np.reshape(t93, (d_V, d_V, d_V, d_K), copy=False)
+    t95 = t64 @ t23
+    t96 = t95.transpose(1, 2, 0)
+    t97 = ((X.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t98 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t99 = (np.reshape((np.reshape(t45, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t94[...] = oe.contract('abc,dec->daeb', t96, t97, optimize=[(0, 1)])
+    t94 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t101 = np.reshape(t100, (d_V, d_V, d_V, d_V), copy=False)
+    t102 = np.swapaxes(t43, -1, -2)
+    t103 = (1/(L*n_batch)) * t102
+    t104 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t105 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t103.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t101[...] = oe.contract('abcd,efcd->eafb', t104, t105, optimize=[(0, 1)])
     return H
 
 
@@ -7801,53 +8795,138 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
+    t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
     F = t10
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t6 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = np.swapaxes(t3, -1, -2)
-    t22 = G @ t21
-    t23 = t22 @ X
-    t24 = X @ W_Q
-    t25 = t21 @ X
-    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t23, t0, t23, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t23, t0, t4, t6, dA, t24, t25, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t24, t25, t0, t4, t6, dA, t24, t25, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = t2 @ X
-    t29 = T @ X
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t28, W_V, t6, dA, t29, t0, t28, W_V, t6, dA, t29, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t28, W_V, t6, dA, t29, t0, t28, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = np.swapaxes(t25, -1, -2)
-    t33 = np.swapaxes(G, -1, -2)
-    t34 = np.swapaxes(t24, -1, -2)
-    t35 = np.swapaxes(Y, -1, -2)
-    t36 = t35.sum(-2, keepdims=True)
-    t37 = np.broadcast_to(t36, t36.shape[:-2] + (d_V, t36.shape[-1]))
-    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t32, t33, X, t32, t33, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t32, t33, X, t32, t34, t37, dA, t13, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t32, t34, t37, dA, t13, X, t32, t34, t37, dA, t13, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t39 = np.sqrt(np.maximum(t38, 0.0))
-    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t32, t34, t37, dA, t24, t25, t32, t34, t37, dA, t24, t25, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = t0 @ X
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t42, t34, G, t42, t34, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t42, t34, G, t42, t34, W_V, t37, dA, t29, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t42, t34, W_V, t37, dA, t29, t42, t34, W_V, t37, dA, t29, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    t45 = np.swapaxes(t2, -1, -2)
-    t46 = t33 @ X
-    t47 = np.swapaxes(T, -1, -2)
-    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t45, t46, t0, t45, t46, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t45, t46, t0, t47, t6, dA, X, t13, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, X, t13, t0, t47, t6, dA, X, t13, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t49 = np.sqrt(np.maximum(t48, 0.0))
-    t50 = t33 @ t24
-    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t50, t0, t47, t6, dA, t24, t25, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, t24, t25, t0, t47, t6, dA, t24, t25, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t52 = np.sqrt(np.maximum(t51, 0.0))
-    t53 = np.swapaxes(t29, -1, -2)
-    t54 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t53, t6, dA, t29, t53, t6, dA, t29, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t55 = np.sqrt(np.maximum(t54, 0.0))
-    return (t15, t27, t31, t39, t41, t44, t49, t52, t55,)
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t6 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = np.swapaxes(t3, -1, -2)
+    t29 = G @ t28
+    t30 = t29 @ X
+    t31 = (np.reshape(t30.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t32 = X @ W_Q
+    t33 = t28 @ X
+    t34 = (t32 @ t4)
+    t35 = t34 * t6
+    t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, d_V)) @ dA), (n_batch, L, d_V))
+    t37 = (t36 @ t33)
+    t38 = np.reshape((t31 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t39 = np.reshape((t33.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t40 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t32.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = t40 * t15
+    t42 = np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t43 = np.reshape((np.reshape(t42.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t44 = np.reshape((np.reshape(t43, (L*n_batch, d_K*d_V)) @ np.reshape(t43.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t45 = (n_batch**(-2)) * (t31 * t31).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t38 * t37.transpose(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t44 * t41).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    t47 = t2 @ X
+    t48 = T @ X
+    t49 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t47.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t50 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t51 = np.reshape((np.reshape(t50.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t49.transpose(1, 0, 2)), (n_batch, L, d_V, d_K))
+    t52 = np.reshape((np.reshape(t51, (L*n_batch, d_K*d_V)) @ np.reshape(t51.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t53 = t52 * t15
+    t54 = np.reshape((np.reshape(t48, (L*n_batch, d_V)) @ np.reshape(t48.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t55 = np.reshape((np.reshape(t47, (d_K*n_batch, d_V)) @ np.reshape(t48.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, d_K, n_batch, L))
+    t56 = np.reshape((np.reshape(t55.transpose(2, 0, 3, 1), (n_batch, L*n_batch, d_K)) @ t49.transpose(1, 2, 0)), (n_batch, n_batch, L, d_V))
+    t57 = (t56.transpose(0, 2, 1, 3) @ t50)
+    t58 = np.reshape((np.reshape(t57.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ G.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t59 = (np.reshape(t47, (n_batch, d_K*d_V)) @ np.reshape(t47.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t60 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t61 = np.reshape((np.reshape(t60.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t62 = (1/(L**2*d_K*n_batch**2)) * (t54 * t53).sum() + (2/(L*d_K*n_batch**2)) * (t58 * t15.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t61 * t59).sum()
+    t63 = np.sqrt(np.maximum(t62, 0.0))
+    t64 = np.swapaxes(t33, -1, -2)
+    t65 = np.swapaxes(G, -1, -2)
+    t66 = (t65.transpose(0, 2, 1) @ t64.transpose(0, 2, 1))
+    t67 = np.reshape((np.reshape(t16, (L*n_batch, L*n_batch)) @ np.reshape(t66, (L*n_batch, d_V))), (n_batch, L, d_V))
+    t68 = np.swapaxes(t32, -1, -2)
+    t69 = np.swapaxes(Y, -1, -2)
+    t70 = t69.sum(-2, keepdims=True)
+    t71 = np.broadcast_to(t70, t70.shape[:-2] + (d_V, t70.shape[-1]))
+    t72 = (t13 @ t68)
+    t73 = np.reshape((np.reshape(t72.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    t74 = t73 * t71.transpose(0, 2, 1)
+    t75 = (t74 @ t64.transpose(0, 2, 1))
+    t76 = np.reshape((np.reshape(t68.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t68.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t77 = t16 * t76
+    t78 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t79 = np.reshape((np.reshape(t78.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t64.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+    t80 = np.reshape((np.reshape(t79, (L*n_batch, d_K*d_V)) @ np.reshape(t79.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t81 = (n_batch**(-2)) * (t67 * t66).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t67 * t75).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77).sum()
+    t82 = np.sqrt(np.maximum(t81, 0.0))
+    t83 = t40 * t76
+    t84 = np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t85 = np.reshape((np.reshape(t84.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t64.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t86 = np.reshape((np.reshape(t85, (L*n_batch, d_V**2)) @ np.reshape(t85.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t87 = (1/(L**2*d_K**2*n_batch**2)) * (t86 * t83).sum()
+    t88 = np.sqrt(np.maximum(t87, 0.0))
+    t89 = t0 @ X
+    t90 = (np.reshape(t89, (n_batch, d_V**2)) @ np.reshape(t89.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t91 = np.reshape((np.reshape(t60.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t76.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t93 = np.reshape((np.reshape(t48, (L*n_batch, d_V)) @ np.reshape(t89.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t94 = np.reshape((np.reshape(t93, (n_batch, L*n_batch, d_V)) @ t89), (n_batch, L, n_batch, d_V))
+    t95 = np.reshape((np.reshape(t94, (L*n_batch**2, d_V)) @ W_V), (n_batch, L, n_batch, d_V))
+    t96 = (t95 @ t92)
+    t97 = np.reshape((np.reshape(t96.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ G.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t98 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t89.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t99 = np.reshape((np.reshape(t92.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t98.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
+    t100 = np.reshape((np.reshape(t99, (L*n_batch, d_V**2)) @ np.reshape(t99.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t101 = t100 * t76
+    t102 = (1/(d_K*n_batch**2)) * (t91 * t90).sum() + (2/(L*d_K*n_batch**2)) * (t97 * t76.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t54 * t101).sum()
+    t103 = np.sqrt(np.maximum(t102, 0.0))
+    t104 = np.swapaxes(t2, -1, -2)
+    t105 = t65 @ X
+    t106 = (np.reshape(t105, (n_batch, d_V**2)) @ np.reshape(t105.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t107 = np.reshape((np.reshape(t104, (L*n_batch, d_K)) @ np.reshape(t104.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t108 = np.reshape((np.reshape(t107.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t109 = np.swapaxes(T, -1, -2)
+    t110 = np.reshape((np.reshape(t13, (d_V*n_batch, d_K)) @ np.reshape(t104.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t111 = (t110.transpose(0, 2, 1, 3) @ t15.transpose(0, 2, 3, 1))
+    t112 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t105.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t113 = (t112 @ t50)
+    t114 = (np.reshape(t113, (n_batch, L, d_V*n_batch)) @ np.reshape(t111, (n_batch, d_V*n_batch, L)))
+    t115 = np.reshape((np.reshape(t15.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t109), (n_batch, n_batch, L, L))
+    t116 = np.reshape((np.reshape(t115.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t109), (n_batch, n_batch, L, L))
+    t117 = t116 * t16.transpose(0, 2, 3, 1)
+    t118 = np.reshape((np.reshape(t50, (n_batch, L*d_V, d_V)) @ t13), (n_batch, L, d_V, d_K))
+    t119 = np.reshape((np.reshape(t118, (L*n_batch, d_K*d_V)) @ np.reshape(t118.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t120 = (1/(d_K*n_batch**2)) * (t108 * t106).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t109.transpose(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t117.transpose(0, 3, 1, 2)).sum()
+    t121 = np.sqrt(np.maximum(t120, 0.0))
+    t122 = t65 @ t32
+    t123 = (np.reshape(t122, (n_batch, d_K*d_V)) @ np.reshape(t122.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t124 = np.reshape((np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t125 = np.reshape((np.reshape(t33, (d_V*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t126 = (t125.transpose(0, 2, 1, 3) @ t15.transpose(0, 2, 3, 1))
+    t127 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t122.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t128 = (t127 @ t50)
+    t129 = (np.reshape(t128, (n_batch, L, d_V*n_batch)) @ np.reshape(t126, (n_batch, d_V*n_batch, L)))
+    t130 = t116 * t40.transpose(0, 2, 3, 1)
+    t131 = np.reshape((np.reshape(t50, (n_batch, L*d_V, d_V)) @ t33), (n_batch, L, d_V, d_V))
+    t132 = np.reshape((np.reshape(t131, (L*n_batch, d_V**2)) @ np.reshape(t131.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t133 = (1/(d_K*n_batch**2)) * (t124 * t123).sum() + (2/(L*d_K*n_batch**2)) * (t129 * t109.transpose(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t132 * t130.transpose(0, 3, 1, 2)).sum()
+    t134 = np.sqrt(np.maximum(t133, 0.0))
+    t135 = np.swapaxes(t48, -1, -2)
+    t136 = np.reshape((np.reshape(t135.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t135.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t137 = np.reshape((np.reshape(t50, (L*n_batch, d_V**2)) @ np.reshape(t50.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t138 = t137 * t136
+    t139 = (1/(L**2*n_batch**2)) * (t138 * t54).sum()
+    t140 = np.sqrt(np.maximum(t139, 0.0))
+    return (t22, t46, t63, t82, t88, t103, t121, t134, t140,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7874,12 +8953,14 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t18 = (np.reshape((np.reshape(t17, (n_batch, d_K, L, 1, d_V)) @ np.reshape(t16.transpose(0, 3, 2, 1), (n_batch, d_K, L, d_V, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
+    t19 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7905,9 +8986,13 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t15 = (t13 @ t4)
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)) @ dA.transpose(0, 2, 3, 1)), (n_batch, d_V, L))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t6, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t17 * t14).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7934,12 +9019,14 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t18 = ((t17.transpose(0, 2, 1, 3) @ t16.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7965,11 +9052,18 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -7996,28 +9090,30 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = np.einsum('abcb->abc', t0)
+    t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t20 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t21 = ((t20.transpose(0, 2, 1, 3) @ t19.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t22 = np.einsum('abcb->abc', t0)
     F = t11
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t7 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = G @ t15
-    t27 = t26 @ X
-    t28 = np.ones((d_K,), dtype=X.dtype)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t7 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = G @ t15
+    t29 = t28 @ X
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = ((np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
+    t22 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8048,17 +9144,30 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(t8, -1, -2)
     t15 = G @ t14
     t16 = t15 @ X
-    t17 = t4 @ t8
-    t18 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = np.eye(d_V, dtype=X.dtype)
+    t17 = (np.reshape(t16.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t18 = t4 @ t8
+    t19 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t21 = X @ W_Q
-    t22 = t14 @ X
-    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t16, t0, t17, t2, dA, t21, t22, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t17, t2, dA, t21, t22, t0, t17, t2, dA, t21, t22, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    dA = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A20, (n_batch, L, d_V, 1)) * np.reshape(A20, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t22 = X @ W_Q
+    t23 = t14 @ X
+    t24 = (t22 @ t18)
+    t25 = t24 * t2
+    t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, d_V)) @ dA), (n_batch, L, d_V))
+    t27 = (t26 @ t23)
+    t28 = np.reshape((t17 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t29 = np.reshape((t23.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t30 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = np.reshape((np.reshape(t22, (L*n_batch, d_K)) @ np.reshape(t22.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t31 * t30
+    t33 = np.reshape((np.reshape(t29.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t18.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t35 = np.reshape((np.reshape(t34, (L*n_batch, d_K*d_V)) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = (n_batch**(-2)) * (t17 * t17).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t28 * t27.transpose(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t35 * t32).sum()
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return t37
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8085,23 +9194,25 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,cd,aed,aedf->bfae', t4, W_V, t6, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t18 = (np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
+    t19 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t11
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t6 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = oe.contract('abc,acd->bda', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abc->bca', t4, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t24, t25, optimize=[(0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t6 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t26 = ((G.transpose(0, 2, 1) @ t25.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t27 = t4.transpose(1, 2, 0)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -8127,18 +9238,32 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = T @ X
+    t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t14.transpose(1, 0, 2)), (n_batch, L, d_V, d_K))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t16, (L*n_batch, d_K*d_V)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     F = t10
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t5 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = np.reshape((np.reshape(t3, (d_K*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, d_K, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 3, 1), (n_batch, L*n_batch, d_K)) @ t14.transpose(1, 2, 0)), (n_batch, n_batch, L, d_V))
+    t28 = (t27.transpose(0, 2, 1, 3) @ t15)
+    t29 = np.reshape((np.reshape(t28.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ G.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t30 = (np.reshape(t3, (n_batch, d_K*d_V)) @ np.reshape(t3.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t31 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t31.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t33 = (1/(L**2*d_K*n_batch**2)) * (t20 * t19).sum() + (2/(L*d_K*n_batch**2)) * (t29 * t17.transpose(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t32 * t30).sum()
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    return t34
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8168,12 +9293,14 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t22 = (np.reshape((np.reshape(t21, (n_batch, d_V, L, 1, d_V)) @ np.reshape(t20.transpose(0, 3, 2, 1), (n_batch, d_V, L, d_V, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8202,9 +9329,13 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t2, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
+    t18 = (t16 @ t2)
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)) @ dA.transpose(0, 2, 3, 1)), (n_batch, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8234,29 +9365,32 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t23 = np.einsum('abcb->abc', t0)
-    t24 = Y.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t21 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t22 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t23 = ((t22.transpose(0, 2, 1, 3) @ t21.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t25 = np.einsum('abcb->abc', t0)
+    t26 = Y.sum(-1, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
     F = t14
-    t26 = np.exp(F - F.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = t25 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = np.swapaxes(G, -1, -2)
-    t32 = np.ones((d_K,), dtype=X.dtype)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = oe.contract('abc,acd,ade->be', t3, t31, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 += oe.contract('ab,c->acb', t34, t33, optimize=[(0, 1)])
+    t28 = np.exp(F - F.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
+    t30 = t27 * A29
+    t31 = t30 - Y
+    t32 = (1/L) * t31
+    G = t32
+    t33 = np.swapaxes(G, -1, -2)
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = (t33.transpose(0, 2, 1) @ t3.transpose(0, 2, 1))
+    t37 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t36, (L*n_batch, d_V)))).transpose(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('ab,c->acb', t37, t35, optimize=[(0, 1)])
     return out
 
 
@@ -8286,22 +9420,35 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = np.swapaxes(G, -1, -2)
-    t16 = np.swapaxes(W_Q, -1, -2)
-    t17 = t16 @ t0
-    t18 = np.swapaxes(Y, -1, -2)
-    t19 = t18.sum(-2, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-2] + (d_V, t19.shape[-1]))
-    t21 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.eye(d_V, dtype=X.dtype)
+    t16 = (t15.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t17, (L*n_batch, L*n_batch)) @ np.reshape(t16, (L*n_batch, d_V))), (n_batch, L, d_V))
+    t19 = np.swapaxes(W_Q, -1, -2)
+    t20 = t19 @ t0
+    t21 = np.swapaxes(Y, -1, -2)
+    t22 = t21.sum(-2, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
+    t24 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = np.swapaxes(t1, -1, -2)
-    t25 = np.swapaxes(t6, -1, -2)
-    t26 = t24 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t15, X, t2, t15, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t15, X, t2, t17, t20, dA, t26, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t17, t20, dA, t26, X, t2, t17, t20, dA, t26, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    return t28
+    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t27 = np.swapaxes(t1, -1, -2)
+    t28 = np.swapaxes(t6, -1, -2)
+    t29 = t27 @ t28
+    t30 = (t29 @ t20)
+    t31 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    t32 = t31 * t23.transpose(0, 2, 1)
+    t33 = (t32 @ t2.transpose(0, 2, 1))
+    t34 = np.reshape((t29.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t35 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t20.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t17 * t35
+    t37 = np.reshape((np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+    t39 = np.reshape((np.reshape(t38, (L*n_batch, d_K*d_V)) @ np.reshape(t38.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = (n_batch**(-2)) * (t18 * t16).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t18 * t33).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t39 * t36).sum()
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    return t41
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8331,12 +9478,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8365,11 +9514,18 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t2, -1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t18
+    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8402,8 +9558,8 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/L) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t19 = oe.contract('abc,acd->bda', t18, G, optimize=[(0, 1)])
-    t20 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t19 = ((G.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t20 = t2.transpose(1, 2, 0)
     t21 = np.swapaxes(Y, -1, -2)
     t22 = t21.sum(-2, keepdims=True)
     t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
@@ -8411,13 +9567,15 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t29 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t23, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, t27, optimize=[(0, 1)])
+    t29 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t30 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t31 = (np.reshape((t30.transpose(1, 2, 0) @ np.reshape(t29.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
+    t32 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -8448,18 +9606,33 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = np.swapaxes(Y, -1, -2)
-    t18 = t17.sum(-2, keepdims=True)
-    t19 = np.broadcast_to(t18, t18.shape[:-2] + (d_V, t18.shape[-1]))
-    t20 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.eye(d_V, dtype=X.dtype)
+    t17 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t18 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t3.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t18.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t21 = np.swapaxes(Y, -1, -2)
+    t22 = t21.sum(-2, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
+    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t23 = T @ X
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t19, dA, t23, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t19, dA, t23, t1, t3, W_V, t19, dA, t23, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return t25
+    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t27 = T @ X
+    t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t30 = np.reshape((np.reshape(t29, (n_batch, L*n_batch, d_V)) @ t1), (n_batch, L, n_batch, d_V))
+    t31 = np.reshape((np.reshape(t30, (L*n_batch**2, d_V)) @ W_V), (n_batch, L, n_batch, d_V))
+    t32 = (t31 @ t28)
+    t33 = np.reshape((np.reshape(t32.transpose(2, 0, 1, 3), (n_batch, L*n_batch, d_V)) @ G.transpose(0, 2, 1)), (n_batch, n_batch, L, L))
+    t34 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t35 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t34.transpose(1, 0, 2)), (n_batch, L, d_V, d_V))
+    t36 = np.reshape((np.reshape(t35, (L*n_batch, d_V**2)) @ np.reshape(t35.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = t36 * t18
+    t38 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ np.reshape(t27.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = (1/(d_K*n_batch**2)) * (t20 * t17).sum() + (2/(L*d_K*n_batch**2)) * (t33 * t18.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t38 * t37).sum()
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    return t40
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8487,10 +9660,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t17 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -8518,8 +9691,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8551,21 +9726,23 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = t15 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bda', t17, t2, optimize=[(0, 1)])
-    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t18 = ((t2.transpose(0, 2, 1) @ t17.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t19 = t16.transpose(1, 2, 0)
     t20 = np.swapaxes(T, -1, -2)
     t21 = np.exp(t10 - t10.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t24 = np.swapaxes(t9, -1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t27 = oe.contract('abc,abcd,ade->ceab', t4, dA, t25, optimize=[(0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd,ade->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t28 = (np.reshape((np.reshape(t27, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t29 = (t26.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t30 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8595,17 +9772,33 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = np.swapaxes(G, -1, -2)
     t15 = t14 @ X
-    t16 = np.swapaxes(T, -1, -2)
-    t17 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = np.eye(d_V, dtype=X.dtype)
+    t16 = (np.reshape(t15, (n_batch, d_V**2)) @ np.reshape(t15.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t1, (L*n_batch, d_K)) @ np.reshape(t1.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t20 = np.swapaxes(T, -1, -2)
+    t21 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
-    t20 = np.swapaxes(t8, -1, -2)
-    t21 = t20 @ t1
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t15, t0, t1, t15, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t15, t0, t16, t3, dA, X, t21, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t16, t3, dA, X, t21, t0, t16, t3, dA, X, t21, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return t23
+    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t24 = np.swapaxes(t8, -1, -2)
+    t25 = t24 @ t1
+    t26 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t27 = np.reshape((np.reshape(t25, (d_V*n_batch, d_K)) @ np.reshape(t1.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t28 = (t27.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 3, 1))
+    t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t15.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t30 = (t29 @ t26)
+    t31 = (np.reshape(t30, (n_batch, L, d_V*n_batch)) @ np.reshape(t28, (n_batch, d_V*n_batch, L)))
+    t32 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = np.reshape((np.reshape(t17.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t20), (n_batch, n_batch, L, L))
+    t34 = np.reshape((np.reshape(t33.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t20), (n_batch, n_batch, L, L))
+    t35 = t34 * t32.transpose(0, 2, 3, 1)
+    t36 = np.reshape((np.reshape(t26, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_K))
+    t37 = np.reshape((np.reshape(t36, (L*n_batch, d_K*d_V)) @ np.reshape(t36.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = (1/(d_K*n_batch**2)) * (t19 * t16).sum() + (2/(L*d_K*n_batch**2)) * (t31 * t20.transpose(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t37 * t35.transpose(0, 3, 1, 2)).sum()
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    return t39
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8638,21 +9831,23 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = X @ W_Q
     t17 = t15 @ t16
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = oe.contract('abc->bca', t17, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bda', t18, X, optimize=[(0, 1)])
+    t19 = t17.transpose(1, 2, 0)
+    t20 = ((X.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
     t21 = np.swapaxes(T, -1, -2)
     t22 = np.exp(t10 - t10.max(-1, keepdims=True))
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t25 = np.swapaxes(t9, -1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
-    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t16, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
+    t28 = (t27.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t29 = ((np.reshape(t28, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t31 = (np.reshape((np.reshape(t30, (n_batch, L*d_V, d_V)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8683,17 +9878,33 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = X @ W_Q
     t16 = t14 @ t15
-    t17 = np.swapaxes(T, -1, -2)
-    t18 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = np.eye(d_V, dtype=X.dtype)
+    t17 = (np.reshape(t16, (n_batch, d_K*d_V)) @ np.reshape(t16.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t18.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
+    t21 = np.swapaxes(T, -1, -2)
+    t22 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t21 = np.swapaxes(t8, -1, -2)
-    t22 = t21 @ X
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t16, t0, X, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t16, t0, t17, t2, dA, t15, t22, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t17, t2, dA, t15, t22, t0, t17, t2, dA, t15, t22, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t25 = np.swapaxes(t8, -1, -2)
+    t26 = t25 @ X
+    t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t28 = np.reshape((np.reshape(t26, (d_V*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t29 = (t28.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 3, 1))
+    t30 = np.reshape((np.reshape(t15, (L*n_batch, d_K)) @ np.reshape(t16.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
+    t31 = (t30 @ t27)
+    t32 = (np.reshape(t31, (n_batch, L, d_V*n_batch)) @ np.reshape(t29, (n_batch, d_V*n_batch, L)))
+    t33 = np.reshape((np.reshape(t15, (L*n_batch, d_K)) @ np.reshape(t15.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = np.reshape((np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t21), (n_batch, n_batch, L, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t21), (n_batch, n_batch, L, L))
+    t36 = t35 * t33.transpose(0, 2, 3, 1)
+    t37 = np.reshape((np.reshape(t27, (n_batch, L*d_V, d_V)) @ t26), (n_batch, L, d_V, d_V))
+    t38 = np.reshape((np.reshape(t37, (L*n_batch, d_V**2)) @ np.reshape(t37.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = (1/(d_K*n_batch**2)) * (t20 * t17).sum() + (2/(L*d_K*n_batch**2)) * (t32 * t21.transpose(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t38 * t36.transpose(0, 3, 1, 2)).sum()
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    return t40
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8721,10 +9932,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -8752,10 +9963,15 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -8780,13 +9996,20 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t4, -1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = t14 + 0.0 + 0.0
-    t16 = np.sqrt(np.maximum(t14, 0.0))
-    t17 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, 0.0, t17,)
+    t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = t21 + 0.0 + 0.0
+    t23 = np.sqrt(np.maximum(t21, 0.0))
+    t24 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23, 0.0, t24,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -8811,28 +10034,40 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t16 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t13, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_K*d_V)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
     F = t10
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t6 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = G @ t14
-    t23 = t22 @ X
-    t24 = t0 @ t23
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t15, t24, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t27 = t16 + t25 + t26
-    t28 = np.sqrt(np.maximum(t16, 0.0))
-    t29 = np.sqrt(np.maximum(t25, 0.0))
-    t30 = np.sqrt(np.maximum(t27, 0.0))
-    return (t28, t29, t30,)
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t6 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = G @ t14
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = (n_batch**(-2)) * (t31.sum((0,)) * t31.sum((0,))).sum()
+    t33 = (t13 @ t4)
+    t34 = t33 * t6
+    t35 = np.reshape((np.reshape(t34, (n_batch, L, 1, d_V)) @ dA), (n_batch, L, d_V))
+    t36 = np.reshape((t31.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t37 = (t35 @ t15)
+    t38 = (2/(L*d_K**(3/2)*n_batch**2)) * (t37 * t36.transpose(1, 2, 0)).sum()
+    t39 = t23 + t32 + t38
+    t40 = np.sqrt(np.maximum(t23, 0.0))
+    t41 = np.sqrt(np.maximum(t32, 0.0))
+    t42 = np.sqrt(np.maximum(t39, 0.0))
+    return (t40, t41, t42,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -8857,25 +10092,36 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = T @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t13, t0, t4, t6, dA, t13, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t15, (L*n_batch, d_K*d_V)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = (1/(L**2*d_K*n_batch**2)) * (t19 * t18).sum()
     F = t10
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t6 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = t0 @ G
-    t21 = t2 @ X
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t20, t21, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
-    t24 = t14 + t22 + t23
-    t25 = np.sqrt(np.maximum(t14, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t6 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t0 @ G
+    t27 = t2 @ X
+    t28 = (np.reshape(t26, (n_batch, d_V**2)) @ np.reshape(t26.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t29 = (np.reshape(t27, (n_batch, d_K*d_V)) @ np.reshape(t27.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t30 = (1/(d_K*n_batch**2)) * (t29 * t28).sum()
+    t31 = np.reshape((np.reshape(t26.transpose(0, 2, 1), (d_V*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t32 = (t31.transpose(2, 3, 0, 1) @ t15)
+    t33 = np.reshape((np.reshape(t32, (L*n_batch, d_K*n_batch)) @ np.reshape(t27, (d_K*n_batch, d_V))), (n_batch, L, d_V))
+    t34 = (2/(L*d_K*n_batch**2)) * (t33 * t13).sum()
+    t35 = t20 + t30 + t34
+    t36 = np.sqrt(np.maximum(t20, 0.0))
+    t37 = np.sqrt(np.maximum(t30, 0.0))
+    t38 = np.sqrt(np.maximum(t35, 0.0))
+    return (t36, t37, t38,)
 
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -8903,31 +10149,43 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t20 = Y.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t19 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t20 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
+    t25 = np.reshape((np.reshape(t24, (L*n_batch, d_K*d_V)) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
+    t27 = Y.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
     F = t13
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t21 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = t1 @ t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
-    t32 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t18, t30, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t33 = t19 + t31 + t32
-    t34 = np.sqrt(np.maximum(t19, 0.0))
-    t35 = np.sqrt(np.maximum(t31, 0.0))
-    t36 = np.sqrt(np.maximum(t33, 0.0))
-    return (t34, t35, t36,)
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t28 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = t1 @ t34
+    t36 = t35 @ X
+    t37 = t0 @ t36
+    t38 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
+    t39 = (t18 @ t4)
+    t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
+    t41 = np.reshape((t37.sum((0,)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t42 = (t41.transpose(1, 2, 0) @ t2)
+    t43 = t40 * t7.transpose(0, 2, 1)
+    t44 = (2/(L*d_K**(3/2)*n_batch**2)) * (t43 * t42).sum()
+    t45 = t26 + t38 + t44
+    t46 = np.sqrt(np.maximum(t26, 0.0))
+    t47 = np.sqrt(np.maximum(t38, 0.0))
+    t48 = np.sqrt(np.maximum(t45, 0.0))
+    return (t46, t47, t48,)
 
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -8955,13 +10213,20 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t2, -1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = t17 + 0.0 + 0.0
-    t19 = np.sqrt(np.maximum(t17, 0.0))
-    t20 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, 0.0, t20,)
+    t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t18
+    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = t24 + 0.0 + 0.0
+    t26 = np.sqrt(np.maximum(t24, 0.0))
+    t27 = np.sqrt(np.maximum(t25, 0.0))
+    return (t26, 0.0, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -8989,27 +10254,39 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = T @ X
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t2, t4, t7, dA, t16, t2, t4, t7, dA, t16, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = t0 @ X
-    t19 = Y.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t18, (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t16, (L*n_batch, d_V)) @ np.reshape(t16.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t21).sum()
+    t24 = t0 @ X
+    t25 = Y.sum(-1, keepdims=True)
+    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
     F = t13
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t20 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t4 @ G
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t26, t18, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t26, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t29 = t17 + t27 + t28
-    t30 = np.sqrt(np.maximum(t17, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t27 = np.exp(F - F.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = t26 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = t4 @ G
+    t33 = (np.reshape(t24, (n_batch, d_V**2)) @ np.reshape(t24.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t34 = (np.reshape(t32, (n_batch, d_K*d_V)) @ np.reshape(t32.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
+    t36 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (d_V*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, d_V*n_batch))), (n_batch, d_V, n_batch, d_V))
+    t37 = np.reshape((np.reshape(t36.transpose(2, 0, 3, 1), (n_batch, d_V*n_batch, d_V)) @ t16.transpose(0, 2, 1)), (n_batch, n_batch, d_V, L))
+    t38 = (t37.transpose(0, 3, 1, 2) @ t17)
+    t39 = np.reshape((np.reshape(t38, (L*n_batch, d_V*n_batch)) @ np.reshape(t32.transpose(0, 2, 1), (d_V*n_batch, d_K))), (n_batch, L, d_K))
+    t40 = (2/(L*d_K*n_batch**2)) * (t39 * t4.transpose(0, 2, 1)).sum()
+    t41 = t23 + t35 + t40
+    t42 = np.sqrt(np.maximum(t23, 0.0))
+    t43 = np.sqrt(np.maximum(t35, 0.0))
+    t44 = np.sqrt(np.maximum(t41, 0.0))
+    return (t42, t43, t44,)
 
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9035,29 +10312,42 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
     t17 = t15 @ t16
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = t0 @ t16
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_K))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_K*d_V)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = t0 @ t16
     F = t11
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = t25 @ X
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t29 = t18 + t27 + t28
-    t30 = np.sqrt(np.maximum(t18, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t9 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = t31 @ X
+    t33 = (np.reshape(t25, (n_batch, d_K*d_V)) @ np.reshape(t25.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t34 = (np.reshape(t32, (n_batch, d_V**2)) @ np.reshape(t32.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
+    t36 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t37 = np.reshape((np.reshape(t25.transpose(0, 2, 1), (d_K*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, d_K, n_batch, L))
+    t38 = (t37.transpose(2, 3, 0, 1) @ t36.transpose(0, 2, 1, 3))
+    t39 = np.reshape((np.reshape(t32, (d_V*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t40 = np.reshape((np.reshape(t39.transpose(1, 2, 3, 0), (d_V, n_batch, L, 1, n_batch)) @ np.reshape(t38.transpose(3, 0, 1, 2), (d_V, n_batch, L, n_batch, 1))), (d_V, n_batch, L))
+    t41 = (2/(L*d_K*n_batch**2)) * (t40 * t9.transpose(2, 0, 1)).sum()
+    t42 = t24 + t35 + t41
+    t43 = np.sqrt(np.maximum(t24, 0.0))
+    t44 = np.sqrt(np.maximum(t35, 0.0))
+    t45 = np.sqrt(np.maximum(t42, 0.0))
+    return (t43, t44, t45,)
 
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -9083,29 +10373,42 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, t14, t17, t7, t9, dA, t14, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = t0 @ X
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_V**2)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = t0 @ X
     F = t11
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = t25 @ t14
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t29 = t18 + t27 + t28
-    t30 = np.sqrt(np.maximum(t18, 0.0))
-    t31 = np.sqrt(np.maximum(t27, 0.0))
-    t32 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, t31, t32,)
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t9 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = t31 @ t14
+    t33 = (np.reshape(t25, (n_batch, d_V**2)) @ np.reshape(t25.transpose(1, 2, 0), (d_V**2, n_batch)))
+    t34 = (np.reshape(t32, (n_batch, d_K*d_V)) @ np.reshape(t32.transpose(1, 2, 0), (d_K*d_V, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
+    t36 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+    t37 = np.reshape((np.reshape(t25.transpose(0, 2, 1), (d_V*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t38 = (t37.transpose(2, 3, 0, 1) @ t36.transpose(0, 2, 1, 3))
+    t39 = np.reshape((np.reshape(t32, (d_V*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, d_V, n_batch, L))
+    t40 = np.reshape((np.reshape(t39.transpose(1, 2, 3, 0), (d_V, n_batch, L, 1, n_batch)) @ np.reshape(t38.transpose(3, 0, 1, 2), (d_V, n_batch, L, n_batch, 1))), (d_V, n_batch, L))
+    t41 = (2/(L*d_K*n_batch**2)) * (t40 * t9.transpose(2, 0, 1)).sum()
+    t42 = t24 + t35 + t41
+    t43 = np.sqrt(np.maximum(t24, 0.0))
+    t44 = np.sqrt(np.maximum(t35, 0.0))
+    t45 = np.sqrt(np.maximum(t42, 0.0))
+    return (t43, t44, t45,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -9131,12 +10434,17 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = t14 + 0.0 + 0.0
-    t16 = np.sqrt(np.maximum(t14, 0.0))
-    t17 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, 0.0, t17,)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = t19 + 0.0 + 0.0
+    t21 = np.sqrt(np.maximum(t19, 0.0))
+    t22 = np.sqrt(np.maximum(t20, 0.0))
+    return (t21, 0.0, t22,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -9237,60 +10545,87 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = X @ W_Q
-    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
-    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
-    t27 = t11 @ X
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t29 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t28, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t30 = oe.contract('abc->cab', t27, optimize=[(0,)])
-    t26[...] = oe.contract('abcde,fde->abfc', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.swapaxes(t22, -1, -2)
-    t34 = np.swapaxes(Mcausal, -1, -2)
-    t35 = np.swapaxes(Y, -1, -2)
-    t36 = t35.sum(-2, keepdims=True)
-    t37 = np.broadcast_to(t36, t36.shape[:-2] + (d_V, t36.shape[-1]))
-    t38 = (1/(L*d_K*n_batch)) * t34
-    t39 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t32[...] = oe.contract('abcde,fde->abfc', t39, t19, optimize=[(0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    t42 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t41[...] = oe.contract('abc,defbc->defa', t23, t42, optimize=[(0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
-    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t46 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t33, t45, t5, t37, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t44[...] = oe.contract('abcde,fde->abfc', t46, t30, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = np.swapaxes(t27, -1, -2)
-    t50 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, t16, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48[...] = oe.contract('abcde,fde->abfc', t50, t19, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_V, d_V, d_K), copy=False)
-    t53 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t52[...] = oe.contract('abc,defbc->defa', t23, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_V), copy=False)
-    t56 = (1/(L*n_batch)) * t49
-    t57 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
-    t58 = oe.contract('abc,acd->bdac', t56, t27, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
+    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t26 = X.transpose(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = X @ W_Q
+    t30 = t29.transpose(2, 0, 1)
+    t31 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+    t32 = (np.reshape((np.reshape(t31, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
+    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
+    t35 = t11 @ X
+    t36 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t37 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t39 = np.reshape((np.reshape(t38.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t36, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t40 = np.reshape((np.reshape(t39.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t41 = (np.reshape((np.reshape(t40, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t42 = t35.transpose(2, 0, 1)
+    t34[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
+    t45 = np.swapaxes(t29, -1, -2)
+    t46 = np.swapaxes(Mcausal, -1, -2)
+    t47 = np.swapaxes(Y, -1, -2)
+    t48 = t47.sum(-2, keepdims=True)
+    t49 = np.broadcast_to(t48, t48.shape[:-2] + (d_V, t48.shape[-1]))
+    t50 = (1/(L*d_K*n_batch)) * t46
+    t51 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t52 = np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t53 = np.reshape((np.reshape(t52.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t50.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t54 = np.reshape((np.reshape(t53.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t55 = np.reshape((np.reshape(t54.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t57 = (np.reshape((np.reshape(t56, (n_batch, L, d_K*d_V, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
+    t44[...] = oe.contract('abcde,fde->abfc', t57, t26, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
+    t60 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t61 = (np.reshape((np.reshape(t60, (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
+    t59[...] = oe.contract('abc,defbc->defa', t30, t61, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
+    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t46
+    t65 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t66 = np.reshape((np.reshape(t65.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t67 = np.reshape((np.reshape(t66.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t68 = np.reshape((np.reshape(t67.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t69 = (np.reshape((np.reshape(t68, (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
+    t63[...] = oe.contract('abcde,fde->abfc', t69, t42, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
+    t72 = np.swapaxes(t35, -1, -2)
+    t73 = np.reshape((np.reshape(t18.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t36.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t74 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t75 = (np.reshape(t7, (n_batch, L, d_V, 1)) * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t76 = ((np.reshape(t75, (n_batch, L, d_V, d_V, 1)) * np.reshape(t74, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
+    t71[...] = oe.contract('abcde,fde->abfc', t76, t26, optimize=[(0, 1)])
+    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t78 = np.reshape(t77, (d_V, d_V, d_V, d_K), copy=False)
+    t79 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t80 = ((np.reshape(t75, (n_batch, L, d_V, d_V, 1)) * np.reshape(t79, (n_batch, L, d_V, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t78[...] = oe.contract('abc,defbc->defa', t30, t80, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t82 = np.reshape(t81, (d_V, d_V, d_V, d_V), copy=False)
+    t83 = (1/(L*n_batch)) * t72
+    t84 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t85 = ((np.reshape(t35, (n_batch, L, d_V, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t82[...] = oe.contract('abcd,efcd->eafb', t84, t85, optimize=[(0, 1)])
     return H
 
 
@@ -9372,36 +10707,88 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    t17 = X @ W_Q
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = t9 @ X
-    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t20, t0, t2, Mcausal, t3, t5, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = np.swapaxes(t17, -1, -2)
-    t24 = np.swapaxes(Mcausal, -1, -2)
-    t25 = np.swapaxes(Y, -1, -2)
-    t26 = t25.sum(-2, keepdims=True)
-    t27 = np.broadcast_to(t26, t26.shape[:-2] + (d_V, t26.shape[-1]))
-    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
     t29 = np.sqrt(np.maximum(t28, 0.0))
-    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t23, t24, t3, t27, dA, t20, t0, t23, t24, t3, t27, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t33 = np.sqrt(np.maximum(t32, 0.0))
-    t34 = np.swapaxes(t20, -1, -2)
-    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, X, t14, t34, t5, dA, t13, Mcausal, X, t14, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t30 = X @ W_Q
+    t31 = np.reshape((np.reshape(t30, (L*n_batch, d_K)) @ np.reshape(t30.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t31 * t16
+    t33 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t32.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t35 = (1/(L**2*d_K**2*n_batch**2)) * (t34 * t18.transpose(0, 2, 3, 1)).sum()
     t36 = np.sqrt(np.maximum(t35, 0.0))
-    t37 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, t17, X, t34, t5, dA, t13, Mcausal, t17, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    t39 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t34, t5, dA, t20, t34, t5, dA, t20, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t40 = np.sqrt(np.maximum(t39, 0.0))
-    return (t16, t19, t22, t29, t31, t33, t36, t38, t40,)
+    t37 = t9 @ X
+    t38 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t40 = np.reshape((np.reshape(t37, (L*n_batch, d_V)) @ np.reshape(t37.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = t40 * t16
+    t42 = np.reshape((np.reshape(t39.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t43 = np.reshape((np.reshape(t42.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t44 = np.reshape((np.reshape(t43.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t42.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t45 = (1/(L**2*d_K*n_batch**2)) * (t44 * t41.transpose(0, 2, 3, 1)).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    t47 = np.swapaxes(t30, -1, -2)
+    t48 = np.swapaxes(Mcausal, -1, -2)
+    t49 = np.swapaxes(Y, -1, -2)
+    t50 = t49.sum(-2, keepdims=True)
+    t51 = np.broadcast_to(t50, t50.shape[:-2] + (d_V, t50.shape[-1]))
+    t52 = np.reshape((np.reshape(t47.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t47.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t53 = t18 * t52
+    t54 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t55 = np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t56 = np.reshape((np.reshape(t55.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t57 = np.reshape((np.reshape(t56.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t58 = np.reshape((np.reshape(t57.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t59 = np.reshape((np.reshape(t58.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t53.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t60 = np.reshape((np.reshape(t59.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t57.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t61 = (1/(L**2*d_K**2*n_batch**2)) * (t60 * t20.transpose(0, 2, 3, 1)).sum()
+    t62 = np.sqrt(np.maximum(t61, 0.0))
+    t63 = t31 * t52
+    t64 = np.reshape((np.reshape(t58.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t63.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t65 = np.reshape((np.reshape(t64.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t57.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t66 = (1/(L**2*d_K**2*n_batch**2)) * (t65 * t18.transpose(0, 2, 3, 1)).sum()
+    t67 = np.sqrt(np.maximum(t66, 0.0))
+    t68 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t69 = np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t70 = t40 * t52
+    t71 = np.reshape((np.reshape(t69.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t72 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t73 = np.reshape((np.reshape(t72.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t71.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t74 = (1/(L**2*d_K*n_batch**2)) * (t73 * t70.transpose(0, 2, 3, 1)).sum()
+    t75 = np.sqrt(np.maximum(t74, 0.0))
+    t76 = np.swapaxes(t37, -1, -2)
+    t77 = np.reshape((np.reshape(t76.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t76.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t78 = t18 * t77
+    t79 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t80 = np.reshape((np.reshape(t79.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t78.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t81 = np.reshape((np.reshape(t80.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t79.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t82 = (1/(L**2*d_K*n_batch**2)) * (t81 * t20.transpose(0, 2, 3, 1)).sum()
+    t83 = np.sqrt(np.maximum(t82, 0.0))
+    t84 = t31 * t77
+    t85 = np.reshape((np.reshape(t79.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t84.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t86 = np.reshape((np.reshape(t85.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t79.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t87 = (1/(L**2*d_K*n_batch**2)) * (t86 * t18.transpose(0, 2, 3, 1)).sum()
+    t88 = np.sqrt(np.maximum(t87, 0.0))
+    t89 = np.reshape((np.reshape(t38, (L*n_batch, d_V**2)) @ np.reshape(t38.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t90 = t89 * t77
+    t91 = (1/(L**2*n_batch**2)) * (t90 * t40).sum()
+    t92 = np.sqrt(np.maximum(t91, 0.0))
+    return (t29, t36, t46, t62, t67, t75, t83, t88, t92,)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9429,13 +10816,19 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t23 = (np.reshape((t22.transpose(0, 3, 1, 2) @ np.reshape(t15.transpose(0, 2, 1), (n_batch, d_K, L, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
+    t24 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -9462,10 +10855,18 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t16 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t17 = (t14 @ t2)
+    t18 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, L, L**2, 1)) * np.reshape(t15, (n_batch, L, 1, 1))), (n_batch, L, L, L))
+    t21 = np.reshape((t20.transpose(2, 3, 1, 0) @ np.reshape(t17.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
+    t22 = np.reshape((t21.transpose(2, 0, 1) @ np.reshape(Mcausal, (L, L, 1))), (L, L))
+    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9493,13 +10894,20 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
+    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t25 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9526,12 +10934,25 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9559,13 +10980,20 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t17 = t15.transpose(2, 0, 1)
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9592,12 +11020,25 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9625,12 +11066,16 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t1, t3, t15, t4, t6, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t20 = (np.reshape((np.reshape(t19, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t21 = t14.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9657,11 +11102,20 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = t9 @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, t3, t5, dA, t13, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t15.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t20.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.transpose(0, 2, 3, 1)).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9693,12 +11147,18 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t27 = (np.reshape((t26.transpose(0, 3, 1, 2) @ np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
     return out
 
 
@@ -9729,9 +11189,17 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = (X @ t0)
+    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22, (n_batch, L, L**2, 1)) * np.reshape(t18, (n_batch, L, 1, 1))), (n_batch, L, L, L))
+    t24 = np.reshape((t23.transpose(2, 3, 1, 0) @ np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
+    t25 = np.reshape((t24.transpose(2, 0, 1) @ np.reshape(t3.transpose(1, 0), (L, L, 1))), (L, L))
+    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9763,13 +11231,20 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
+    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
+    t29 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -9800,12 +11275,25 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t29 = np.reshape((np.reshape(t28.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t30 = np.reshape((np.reshape(t29.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t24.transpose(0, 2, 3, 1)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return t33
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9837,12 +11325,19 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    t20 = t9.transpose(2, 0, 1)
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
     return out
 
 
@@ -9873,11 +11368,24 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.transpose(0, 2, 3, 1)).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return t32
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9909,12 +11417,16 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t1, t3, t19, t5, t8, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t21 = oe.contract('abc->cab', t18, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
+    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
+    t25 = t18.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9945,11 +11457,20 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = t13 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, t4, t7, dA, t17, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t24.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    return t28
 
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9980,10 +11501,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t18 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
+    t19 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -10014,8 +11535,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t17 = oe.contract('abcc,abc->ab', dA, t11)
+    return (1/(L*n_batch)) * (t17 * t16).sum()
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10046,14 +11569,18 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = np.swapaxes(t4, -1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, t19, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
+    t24 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t25 = ((np.reshape(t24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
+    t26 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -10083,13 +11610,22 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10120,14 +11656,18 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc->cab', t19, optimize=[(0,)])
-    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
+    t21 = t19.transpose(2, 0, 1)
+    t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t26 = ((np.reshape(t25, (n_batch, L, d_V, d_V, 1)) * np.reshape(t24, (n_batch, L, d_V, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t21, t26, optimize=[(0, 1)])
     return out
 
 
@@ -10157,13 +11697,22 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10194,10 +11743,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t18 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -10228,10 +11777,15 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -10274,46 +11828,48 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t26 = t23.sum((0,))
     t3 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
     t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t30 = oe.contract('abc,cd,ace->bead', t4, t29, G, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
-    t28[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.einsum('abcb->abc', t33)
-    t35 = np.swapaxes(t23, -1, -2)
-    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
-    t34 += oe.contract('ab,c->acb', t36, t25, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t40 = np.swapaxes(W_Q, -1, -2)
-    t41 = t40 @ t4
-    t42 = np.swapaxes(Mcausal, -1, -2)
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t44 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
-    t45 = oe.contract('abc,cd,ace->bead', t4, t43, X, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
-    t48 = np.swapaxes(G, -1, -2)
-    t49 = np.swapaxes(t8, -1, -2)
-    t50 = oe.contract('abc,cd,ace->bead', t4, t43, t49, optimize=[(0, 1), (0, 1)])
-    t51 = oe.contract('abc,acd->bdac', t48, X, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
-    t54 = np.swapaxes(t41, -1, -2)
-    t55 = oe.contract('abc,acd->bdac', t48, t54, optimize=[(0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t45, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56[...] = 0
+    t30 = np.reshape((np.reshape(t29, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t31 = (np.reshape((np.reshape(t30.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33[...] = 0
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t35 = np.einsum('abcb->abc', t34)
+    t36 = np.swapaxes(t23, -1, -2)
+    t37 = t36.sum((0,))
+    t35 += oe.contract('ab,c->acb', t37, t25, optimize=[(0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38[...] = 0
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
+    t41 = np.swapaxes(W_Q, -1, -2)
+    t42 = t41 @ t4
+    t43 = np.swapaxes(Mcausal, -1, -2)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t45 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t46 = np.reshape((np.reshape(t44, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t47 = (np.reshape((np.reshape(t46.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t40[...] = oe.contract('abcd,efcd->eafb', t45, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(G, -1, -2)
+    t51 = np.swapaxes(t8, -1, -2)
+    t52 = (np.reshape((np.reshape(t46.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t51), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t53 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t50.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t49[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
+    t56 = np.swapaxes(t42, -1, -2)
+    t57 = ((np.reshape(t56, (n_batch, L, d_K, 1)) * np.reshape(t50.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t55[...] = oe.contract('abcd,efcd->eafb', t57, t47, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58[...] = 0
     return H
 
 
@@ -10411,26 +11967,48 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal * t16
     t18 = t17 @ X
     t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t20 = (n_batch**(-2)) * (t19.sum((0,)) * t19.sum((0,))).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t4, Mcausal, G, X, t0, t4, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    t24 = np.swapaxes(t19, -1, -2)
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = np.swapaxes(W_Q, -1, -2)
-    t28 = t27 @ t0
-    t29 = np.swapaxes(Mcausal, -1, -2)
-    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t29, X, G, t0, t28, t29, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t24 * t22
+    t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t26 * t23
+    t28 = np.reshape((np.reshape(t25, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t29 = (np.reshape(t28.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t30 = (1/(d_K*n_batch**2)) * (t29 * Mcausal).sum()
     t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = np.swapaxes(G, -1, -2)
-    t33 = np.swapaxes(t4, -1, -2)
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, t33, X, t0, t32, t29, t33, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    t36 = np.swapaxes(t28, -1, -2)
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, X, t36, t0, t32, t29, X, t36, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    return (0.0, t21, t23, t26, 0.0, t31, t35, t38, 0.0,)
+    t32 = np.swapaxes(t19, -1, -2)
+    t33 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum()
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    t35 = np.swapaxes(W_Q, -1, -2)
+    t36 = t35 @ t0
+    t37 = np.swapaxes(Mcausal, -1, -2)
+    t38 = np.reshape((np.reshape(t36.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t36.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = t26 * t22
+    t40 = t24 * t38
+    t41 = np.reshape((np.reshape(t39, (L*n_batch**2, L)) @ t37), (n_batch, L, n_batch, L))
+    t42 = (np.reshape(t41.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t40.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t43 = (1/(d_K*n_batch**2)) * (t42 * t37).sum()
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    t45 = np.swapaxes(G, -1, -2)
+    t46 = np.swapaxes(t4, -1, -2)
+    t47 = np.reshape((np.reshape(t45.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t45.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t48 = np.reshape((np.reshape(t46, (L*n_batch, d_K)) @ np.reshape(t46.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t49 = t48 * t22
+    t50 = t26 * t47
+    t51 = np.reshape((np.reshape(t49, (L*n_batch**2, L)) @ t37), (n_batch, L, n_batch, L))
+    t52 = (np.reshape(t51.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t50.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t53 = (1/(d_K*n_batch**2)) * (t52 * t37).sum()
+    t54 = np.sqrt(np.maximum(t53, 0.0))
+    t55 = np.swapaxes(t36, -1, -2)
+    t56 = np.reshape((np.reshape(t55, (L*n_batch, d_K)) @ np.reshape(t55.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t57 = t56 * t47
+    t58 = (np.reshape(t41.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t57.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t59 = (1/(d_K*n_batch**2)) * (t58 * t37).sum()
+    t60 = np.sqrt(np.maximum(t59, 0.0))
+    return (0.0, t21, t31, t34, 0.0, t44, t54, t60, 0.0,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -10510,7 +12088,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t24 = t21.sum((0,))
     t1 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
     return out
 
@@ -10546,7 +12124,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal * t16
     t18 = t17 @ X
     t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t20 = (n_batch**(-2)) * (t19.sum((0,)) * t19.sum((0,))).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     return t21
 
@@ -10580,9 +12158,10 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t17 = oe.contract('abc,cd,ace->bead', t1, t16, G, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10612,9 +12191,17 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = t12 - Y
     t14 = (1/L) * t13
     G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t16
+    t21 = np.reshape((np.reshape(t18, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t22 = (np.reshape(t21.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t20.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t23 = (1/(d_K*n_batch**2)) * (t22 * Mcausal).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -10676,7 +12263,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t26 = t23.sum((0,))
     t1 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
     return out
 
@@ -10714,7 +12301,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 * t18
     t20 = t19 @ X
     t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t22 = (n_batch**(-2)) * (t21.sum((0,)) * t21.sum((0,))).sum()
     t23 = np.sqrt(np.maximum(t22, 0.0))
     return t23
 
@@ -10771,9 +12358,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t22 = (np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10806,9 +12394,17 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = t15 - Y
     t17 = (1/L) * t16
     G = t17
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = np.reshape((np.reshape(t21, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t25 = (np.reshape(t24.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * t3).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -10863,9 +12459,10 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(Mcausal, -1, -2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = oe.contract('abc,cd,ace->bead', t1, t19, t18, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10898,9 +12495,17 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.swapaxes(Mcausal, -1, -2)
     t17 = np.swapaxes(t4, -1, -2)
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, t17, X, t0, t15, t16, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = np.reshape((np.reshape(t21, (L*n_batch**2, L)) @ t16), (n_batch, L, n_batch, L))
+    t25 = (np.reshape(t24.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * t16).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -10935,9 +12540,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(Mcausal, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = oe.contract('abc,acd->bdac', t16, t18, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t22 = (np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10970,9 +12576,17 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.swapaxes(Mcausal, -1, -2)
     t17 = X @ W_Q
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, X, t17, t0, t15, t16, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = np.reshape((np.reshape(t21, (L*n_batch**2, L)) @ t16), (n_batch, L, n_batch, L))
+    t25 = (np.reshape(t24.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * t16).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11021,99 +12635,129 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = X @ W_Q
-    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
-    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t25 = np.einsum('abcb->abc', t21)
+    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t26 = X.transpose(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = X @ W_Q
+    t30 = t29.transpose(2, 0, 1)
+    t31 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+    t32 = (np.reshape((np.reshape(t31, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
+    t33 = np.einsum('abcb->abc', t28)
     F = t12
-    t26 = np.exp(F - F.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = t7 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = G @ t15
-    t32 = Mcausal * t31
-    t33 = t32 @ X
-    t34 = np.ones((d_K,), dtype=X.dtype)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
-    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
-    t39 = t11 @ X
-    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t41 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t40, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t42 = oe.contract('abc->cab', t39, optimize=[(0,)])
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t44 = oe.contract('abc,cd,ace->bead', t2, t43, G, optimize=[(0, 1), (0, 1)])
-    t45 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t48 = np.swapaxes(t22, -1, -2)
-    t49 = np.swapaxes(Mcausal, -1, -2)
-    t50 = np.swapaxes(Y, -1, -2)
-    t51 = t50.sum(-2, keepdims=True)
-    t52 = np.broadcast_to(t51, t51.shape[:-2] + (d_V, t51.shape[-1]))
-    t53 = (1/(L*d_K*n_batch)) * t49
-    t54 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t55 = np.einsum('abcb->abc', t47)
-    t56 = np.swapaxes(t31, -1, -2)
-    t57 = t56 * t49
-    t58 = oe.contract('abc,acd,ade->be', t2, t57, X, optimize=[(0, 1), (0, 1)])
-    t47[...] = oe.contract('abcde,fde->abfc', t54, t19, optimize=[(0, 1)])
-    t55 += oe.contract('ab,c->acb', t58, t35, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
-    t61 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t60[...] = oe.contract('abc,defbc->defa', t23, t61, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t65 = oe.contract('abc,acd->bdac', t48, G, optimize=[(0, 1)])
-    t66 = oe.contract('abc,cd,ace->bead', t2, t64, X, optimize=[(0, 1), (0, 1)])
-    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
-    t68 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t67, X, W_V, t52, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t48, t39, optimize=[(0, 1)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
-    t72 = np.swapaxes(T, -1, -2)
-    t73 = t49 * t72
-    t74 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t75 = oe.contract('abc,acd,ade->bead', t2, t73, X, optimize=[(0, 1), (0, 1)])
-    t76 = np.swapaxes(G, -1, -2)
-    t77 = oe.contract('abc,cd,ace->bead', t2, t64, t16, optimize=[(0, 1), (0, 1)])
-    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t71 += oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t80 = np.reshape(t79, (d_V, d_V, d_V, d_K), copy=False)
-    t81 = oe.contract('abc,acd,ade->bead', t2, t73, t22, optimize=[(0, 1), (0, 1)])
-    t82 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t83 = oe.contract('abc,acd->bdac', t76, t22, optimize=[(0, 1)])
-    t80[...] = oe.contract('abcd,efcd->aefb', t81, t82, optimize=[(0, 1)])
-    t80 += oe.contract('abcd,efcd->eafb', t83, t66, optimize=[(0, 1)])
-    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85 = np.reshape(t84, (d_V, d_V, d_V, d_V), copy=False)
-    t86 = np.swapaxes(t39, -1, -2)
-    t87 = (1/(L*n_batch)) * t86
-    t88 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
-    t89 = oe.contract('abc,acd->bdac', t87, t39, optimize=[(0, 1)])
-    t85[...] = oe.contract('abcd,efcd->eafb', t88, t89, optimize=[(0, 1)])
+    t34 = np.exp(F - F.max(-1, keepdims=True))
+    A35 = t34 / t34.sum(-1, keepdims=True)
+    t36 = t7 * A35
+    t37 = t36 - Y
+    t38 = (1/L) * t37
+    G = t38
+    t39 = G @ t15
+    t40 = Mcausal * t39
+    t41 = t40 @ X
+    t42 = np.ones((d_K,), dtype=X.dtype)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t44 = ((np.reshape(t41.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
+    t33 += oe.contract('ab,c->acb', t44, t43, optimize=[(0, 1)])
+    t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
+    t47 = t11 @ X
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t49 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t50 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t51 = np.reshape((np.reshape(t50.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t49.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t52 = np.reshape((np.reshape(t51.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t53 = np.reshape((np.reshape(t52.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t54 = (np.reshape((np.reshape(t53, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t55 = t47.transpose(2, 0, 1)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t57 = np.reshape((np.reshape(t56, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t58 = (np.reshape((np.reshape(t57.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t59 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t46[...] = oe.contract('abcde,fde->abfc', t54, t55, optimize=[(0, 1)])
+    t46 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
+    t62 = np.swapaxes(t29, -1, -2)
+    t63 = np.swapaxes(Mcausal, -1, -2)
+    t64 = np.swapaxes(Y, -1, -2)
+    t65 = t64.sum(-2, keepdims=True)
+    t66 = np.broadcast_to(t65, t65.shape[:-2] + (d_V, t65.shape[-1]))
+    t67 = (1/(L*d_K*n_batch)) * t63
+    t68 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t69 = np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t70 = np.reshape((np.reshape(t69.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t67.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t71 = np.reshape((np.reshape(t70.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t72 = np.reshape((np.reshape(t71.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t74 = (np.reshape((np.reshape(t73, (n_batch, L, d_K*d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
+    t75 = np.einsum('abcb->abc', t61)
+    t76 = np.swapaxes(t39, -1, -2)
+    t77 = t76 * t63
+    t78 = (t77.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t79 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t78, (L*n_batch, d_V)))).transpose(1, 0)
+    t61[...] = oe.contract('abcde,fde->abfc', t74, t26, optimize=[(0, 1)])
+    t75 += oe.contract('ab,c->acb', t79, t43, optimize=[(0, 1)])
+    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
+    t82 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t83 = (np.reshape((np.reshape(t82, (n_batch, L, d_V**2, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
+    t81[...] = oe.contract('abc,defbc->defa', t30, t83, optimize=[(0, 1)])
+    t84 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85 = np.reshape(t84, (d_V, d_K, d_V, d_V), copy=False)
+    t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
+    t87 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t88 = np.reshape((np.reshape(t86, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t89 = (np.reshape((np.reshape(t88.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
+    t91 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t92 = np.reshape((np.reshape(t91.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t49.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t93 = np.reshape((np.reshape(t92.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t90.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t94 = (np.reshape((np.reshape(t93.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t95 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t85[...] = oe.contract('abcd,efcd->eafb', t87, t89, optimize=[(0, 1)])
+    t85 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
+    t98 = np.swapaxes(T, -1, -2)
+    t99 = t63 * t98
+    t100 = np.reshape((np.reshape(t18.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t101 = np.reshape((np.reshape(t100.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t102 = (np.reshape((np.reshape(t101, (n_batch, L, d_V, d_K, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t103 = (t99.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t104 = ((np.reshape(t103, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t105 = np.swapaxes(G, -1, -2)
+    t106 = (np.reshape((np.reshape(t88.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t107 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t97[...] = oe.contract('abcd,efcd->eafb', t102, t104, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
+    t110 = ((np.reshape(t103, (n_batch, L, d_V, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t111 = np.reshape((np.reshape(t100.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t112 = (np.reshape((np.reshape(t111, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t113 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t109[...] = oe.contract('abcd,efcd->aefb', t110, t112, optimize=[(0, 1)])
+    t109 += oe.contract('abcd,efcd->eafb', t113, t89, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t115 = np.reshape(t114, (d_V, d_V, d_V, d_V), copy=False)
+    t116 = np.swapaxes(t47, -1, -2)
+    t117 = (1/(L*n_batch)) * t116
+    t118 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t119 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t117.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t115[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
     return H
 
 
@@ -11224,51 +12868,157 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
     F = t10
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t5 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = G @ t13
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = X @ W_Q
-    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t24, t0, t24, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t24, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    t28 = t9 @ X
-    t29 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, W_V, t5, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = np.swapaxes(t22, -1, -2)
-    t32 = np.swapaxes(Mcausal, -1, -2)
-    t33 = t31 * t32
-    t34 = np.swapaxes(t25, -1, -2)
-    t35 = np.swapaxes(Y, -1, -2)
-    t36 = t35.sum(-2, keepdims=True)
-    t37 = np.broadcast_to(t36, t36.shape[:-2] + (d_V, t36.shape[-1]))
-    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t33, X, t0, t33, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t33, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t39 = np.sqrt(np.maximum(t38, 0.0))
-    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t34, t32, X, G, t0, t34, t32, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t34, t32, X, G, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t34, t32, X, W_V, t37, dA, t28, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t43 = np.sqrt(np.maximum(t42, 0.0))
-    t44 = np.swapaxes(T, -1, -2)
-    t45 = t32 * t44
-    t46 = np.swapaxes(G, -1, -2)
-    t47 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t45, t5, dA, t13, Mcausal, X, t14, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t46, t32, t14, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, t14, X, t0, t46, t32, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t48 = np.sqrt(np.maximum(t47, 0.0))
-    t49 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t45, t5, dA, t13, Mcausal, t25, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t46, t32, X, t25, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, X, t25, t0, t46, t32, X, t25, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t50 = np.sqrt(np.maximum(t49, 0.0))
-    t51 = np.swapaxes(t28, -1, -2)
-    t52 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t51, t5, dA, t28, t51, t5, dA, t28, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t53 = np.sqrt(np.maximum(t52, 0.0))
-    return (t16, t27, t30, t39, t41, t43, t48, t50, t53,)
+    t30 = np.exp(F - F.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t5 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = G @ t13
+    t36 = Mcausal * t35
+    t37 = t36 @ X
+    t38 = (np.reshape(t37.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t39 = X @ W_Q
+    t40 = (t39 @ t2)
+    t41 = np.reshape((t38 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t42 = (t41.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t43 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, L, L, 1)) * np.reshape(t40, (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t44 = np.reshape((np.reshape(t43.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    t45 = np.reshape((np.reshape(t44.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t42.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    t46 = np.reshape((np.reshape(t39, (L*n_batch, d_K)) @ np.reshape(t39.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t47 = t46 * t16
+    t48 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t47.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t49 = np.reshape((np.reshape(t48.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t50 = (n_batch**(-2)) * (t38 * t38).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t45 * Mcausal).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t49 * t18.transpose(0, 2, 3, 1)).sum()
+    t51 = np.sqrt(np.maximum(t50, 0.0))
+    t52 = t9 @ X
+    t53 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t54 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t55 = np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t53.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t56 = np.reshape((np.reshape(t52, (L*n_batch, d_V)) @ np.reshape(t52.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t57 = t56 * t16
+    t58 = np.reshape((np.reshape(t55.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t59 = np.reshape((np.reshape(t58.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t60 = np.reshape((np.reshape(t59.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t58.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t61 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t52.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t62 = (np.reshape(t61.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t63 = np.reshape((np.reshape(t62.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t64 = np.reshape((np.reshape(t17.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, L))), (L, n_batch, L, n_batch, L))
+    t65 = np.reshape((t53.transpose(1, 2, 0) @ np.reshape(t54.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t66 = (t64.transpose(1, 3, 4, 0, 2) @ t63.transpose(2, 3, 4, 0, 1))
+    t67 = np.reshape((np.reshape(t66.transpose(0, 4, 1, 2, 3), (L*n_batch, L**2*n_batch)) @ np.reshape(t65.transpose(0, 2, 1, 3), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    t68 = t18 * t17
+    t69 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t70 = t69 * t16
+    t71 = np.reshape((np.reshape(t68, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t72 = (np.reshape(t71.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t70.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t73 = (1/(L**2*d_K*n_batch**2)) * (t60 * t57.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t67 * G).sum() + (1/(d_K*n_batch**2)) * (t72 * Mcausal.transpose(1, 0)).sum()
+    t74 = np.sqrt(np.maximum(t73, 0.0))
+    t75 = np.swapaxes(t35, -1, -2)
+    t76 = np.swapaxes(Mcausal, -1, -2)
+    t77 = t75 * t76
+    t78 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t77), (n_batch, n_batch, L, L))
+    t79 = (np.reshape(t78.transpose(1, 2, 0, 3), (n_batch, L, L*n_batch)) @ np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)))
+    t80 = np.swapaxes(t39, -1, -2)
+    t81 = np.swapaxes(Y, -1, -2)
+    t82 = t81.sum(-2, keepdims=True)
+    t83 = np.broadcast_to(t82, t82.shape[:-2] + (d_V, t82.shape[-1]))
+    t84 = (t14 @ t80)
+    t85 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t86 = np.reshape((np.reshape(t85.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t87 = np.reshape((np.reshape(t86, (n_batch, L, L, L, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t88 = np.reshape((np.reshape(t87.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    t89 = np.reshape((np.reshape(t88.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t79.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    t90 = np.reshape((np.reshape(t80.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t80.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t91 = t18 * t90
+    t92 = np.reshape((np.reshape(t86.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t93 = np.reshape((np.reshape(t92.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t94 = np.reshape((np.reshape(t93.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t95 = np.reshape((np.reshape(t94.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t96 = np.reshape((np.reshape(t95.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t93.transpose(3, 2, 1, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t97 = (n_batch**(-2)) * (t79 * t77).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t89 * t76.transpose(1, 0)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t96 * t91.transpose(0, 2, 3, 1)).sum()
+    t98 = np.sqrt(np.maximum(t97, 0.0))
+    t99 = t46 * t90
+    t100 = np.reshape((np.reshape(t94.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t99.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t101 = np.reshape((np.reshape(t100.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t93.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t102 = (1/(L**2*d_K**2*n_batch**2)) * (t101 * t18.transpose(0, 2, 3, 1)).sum()
+    t103 = np.sqrt(np.maximum(t102, 0.0))
+    t104 = t69 * t90
+    t105 = np.reshape((np.reshape(t19, (L*n_batch**2, L)) @ t76), (n_batch, L, n_batch, L))
+    t106 = (np.reshape(t105.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t104.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t107 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t108 = np.reshape((np.reshape(t52, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t109 = (np.reshape(t108.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t110 = np.reshape((np.reshape(t109.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t111 = np.reshape((t53.transpose(1, 2, 0) @ np.reshape(t107.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t112 = np.reshape((np.reshape(t111, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t113 = (t112.transpose(0, 2, 3, 4, 1) @ t110.transpose(2, 0, 3, 1, 4))
+    t114 = np.reshape((np.reshape(t113.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t90.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1))), (L, L))
+    t115 = np.reshape((np.reshape(t107.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t53.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t116 = t56 * t90
+    t117 = np.reshape((np.reshape(t115.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t118 = np.reshape((np.reshape(t117.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t119 = np.reshape((np.reshape(t118.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t117.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t120 = (1/(d_K*n_batch**2)) * (t106 * t76).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t76.transpose(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t116.transpose(0, 2, 3, 1)).sum()
+    t121 = np.sqrt(np.maximum(t120, 0.0))
+    t122 = np.swapaxes(T, -1, -2)
+    t123 = t76 * t122
+    t124 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t123), (n_batch, n_batch, L, L))
+    t125 = np.reshape((np.reshape(t124.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t123), (n_batch, n_batch, L, L))
+    t126 = t125 * t18.transpose(0, 2, 3, 1)
+    t127 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t128 = np.reshape((np.reshape(t127.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t129 = np.reshape((np.reshape(t128.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t127.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t130 = np.swapaxes(G, -1, -2)
+    t131 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t132 = np.reshape((np.reshape(t131.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t133 = np.reshape((np.reshape(t132.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t134 = np.reshape((np.reshape(t133.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t135 = np.reshape((np.reshape(t134.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t124.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
+    t136 = np.reshape((np.reshape(t130.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t137 = t20 * t16
+    t138 = t18 * t136
+    t139 = np.reshape((np.reshape(t137, (L*n_batch**2, L)) @ t76), (n_batch, L, n_batch, L))
+    t140 = (np.reshape(t139.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t138.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t141 = (1/(L**2*d_K*n_batch**2)) * (t129 * t126).sum() + (2/(L*d_K*n_batch**2)) * (t135 * t76).sum() + (1/(d_K*n_batch**2)) * (t140 * t76).sum()
+    t142 = np.sqrt(np.maximum(t141, 0.0))
+    t143 = t125 * t46.transpose(0, 2, 3, 1)
+    t144 = np.reshape((np.reshape(t127.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t145 = np.reshape((np.reshape(t144.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t127.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t146 = np.reshape((np.reshape(t131.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t46.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t147 = np.reshape((np.reshape(t146.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t148 = np.reshape((np.reshape(t147.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t149 = np.reshape((np.reshape(t148.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t124.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
+    t150 = t46 * t136
+    t151 = (np.reshape(t105.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t150.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t152 = (1/(L**2*d_K*n_batch**2)) * (t145 * t143).sum() + (2/(L*d_K*n_batch**2)) * (t149 * t76).sum() + (1/(d_K*n_batch**2)) * (t151 * t76).sum()
+    t153 = np.sqrt(np.maximum(t152, 0.0))
+    t154 = np.swapaxes(t52, -1, -2)
+    t155 = np.reshape((np.reshape(t154.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t154.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t156 = np.reshape((np.reshape(t54, (L*n_batch, d_V**2)) @ np.reshape(t54.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t157 = t156 * t155
+    t158 = (1/(L**2*n_batch**2)) * (t157 * t56).sum()
+    t159 = np.sqrt(np.maximum(t158, 0.0))
+    return (t29, t51, t74, t98, t103, t121, t142, t153, t159,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11296,13 +13046,19 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t23 = (np.reshape((t22.transpose(0, 3, 1, 2) @ np.reshape(t15.transpose(0, 2, 1), (n_batch, d_K, L, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
+    t24 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11329,10 +13085,18 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t16 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t17 = (t14 @ t2)
+    t18 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, L, L**2, 1)) * np.reshape(t15, (n_batch, L, 1, 1))), (n_batch, L, L, L))
+    t21 = np.reshape((t20.transpose(2, 3, 1, 0) @ np.reshape(t17.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
+    t22 = np.reshape((t21.transpose(2, 0, 1) @ np.reshape(Mcausal, (L, L, 1))), (L, L))
+    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11360,13 +13124,20 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
+    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t25 = X.transpose(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11393,12 +13164,25 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11426,28 +13210,35 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = np.einsum('abcb->abc', t0)
+    t17 = t15.transpose(2, 0, 1)
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
+    t26 = np.einsum('abcb->abc', t0)
     F = t11
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t6 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G @ t14
-    t26 = Mcausal * t25
-    t27 = t26 @ X
-    t28 = np.ones((d_K,), dtype=X.dtype)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
-    t19 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
+    t27 = np.exp(F - F.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = t6 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = G @ t14
+    t33 = Mcausal * t32
+    t34 = t33 @ X
+    t35 = np.ones((d_K,), dtype=X.dtype)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t37 = ((np.reshape(t34.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
+    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
+    t26 += oe.contract('ab,c->acb', t37, t36, optimize=[(0, 1)])
     return out
 
 
@@ -11481,15 +13272,35 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = Mcausal * t16
     t18 = t17 @ X
-    t19 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.eye(d_V, dtype=X.dtype)
+    t19 = (np.reshape(t18.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t22 = X @ W_Q
-    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t18, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    dA = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t23 = X @ W_Q
+    t24 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t25 = (t23 @ t4)
+    t26 = np.reshape((np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t9.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t28 = np.reshape((t19 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t29 = (t28.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t30 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L, L, L, 1)) * np.reshape(t25, (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    t32 = np.reshape((np.reshape(t31.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t29.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    t33 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = np.reshape((np.reshape(t23, (L*n_batch, d_K)) @ np.reshape(t23.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t35 * t33
+    t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = np.reshape((np.reshape(t27.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t39 = np.reshape((np.reshape(t38.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t40 = np.reshape((np.reshape(t39.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t34.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t41 = np.reshape((np.reshape(t40.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t36.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t42 = np.reshape((np.reshape(t41.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t39.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t43 = (n_batch**(-2)) * (t19 * t19).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t32 * Mcausal).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t42 * t37.transpose(0, 2, 3, 1)).sum()
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    return t44
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11517,23 +13328,29 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t1, t3, t15, X, W_V, t5, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
+    t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t16.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t22 = t14.transpose(2, 0, 1)
     F = t11
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t5 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t24 = oe.contract('abc,cd,ace->bead', t1, t23, G, optimize=[(0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t5 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -11560,18 +13377,41 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = t8 @ X
+    t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t14.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = np.reshape((np.reshape(t16.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t21.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t10
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t4 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t4 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = (np.reshape(t29.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t31 = np.reshape((np.reshape(t30.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t32 = np.reshape((np.reshape(t18.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, L))), (L, n_batch, L, n_batch, L))
+    t33 = np.reshape((t14.transpose(1, 2, 0) @ np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t34 = (t32.transpose(1, 3, 4, 0, 2) @ t31.transpose(2, 3, 4, 0, 1))
+    t35 = np.reshape((np.reshape(t34.transpose(0, 4, 1, 2, 3), (L*n_batch, L**2*n_batch)) @ np.reshape(t33.transpose(0, 2, 1, 3), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    t36 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = t36 * t18
+    t38 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = t38 * t17
+    t40 = np.reshape((np.reshape(t37, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
+    t41 = (np.reshape(t40.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t39.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t42 = (1/(L**2*d_K*n_batch**2)) * (t23 * t20.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t35 * G).sum() + (1/(d_K*n_batch**2)) * (t41 * Mcausal.transpose(1, 0)).sum()
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    return t43
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11603,12 +13443,18 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t27 = (np.reshape((t26.transpose(0, 3, 1, 2) @ np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
     return out
 
 
@@ -11639,9 +13485,17 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = (X @ t0)
+    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22, (n_batch, L, L**2, 1)) * np.reshape(t18, (n_batch, L, 1, 1))), (n_batch, L, L, L))
+    t24 = np.reshape((t23.transpose(2, 3, 1, 0) @ np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
+    t25 = np.reshape((t24.transpose(2, 0, 1) @ np.reshape(t3.transpose(1, 0), (L, L, 1))), (L, L))
+    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11673,30 +13527,38 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t23 = np.einsum('abcb->abc', t0)
-    t24 = Y.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
+    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
+    t29 = X.transpose(2, 0, 1)
+    t30 = np.einsum('abcb->abc', t0)
+    t31 = Y.sum(-1, keepdims=True)
+    t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
     F = t15
-    t26 = np.exp(F - F.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = t25 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = np.swapaxes(G, -1, -2)
-    t32 = t5 @ t31
-    t33 = t32 * t4
-    t34 = np.ones((d_K,), dtype=X.dtype)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd,ade->be', t1, t33, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
-    t23 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
+    t33 = np.exp(F - F.max(-1, keepdims=True))
+    A34 = t33 / t33.sum(-1, keepdims=True)
+    t35 = t32 * A34
+    t36 = t35 - Y
+    t37 = (1/L) * t36
+    G = t37
+    t38 = np.swapaxes(G, -1, -2)
+    t39 = t5 @ t38
+    t40 = t39 * t4
+    t41 = np.ones((d_K,), dtype=X.dtype)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = (t40.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t44 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t43, (L*n_batch, d_V)))).transpose(1, 0)
+    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
+    t30 += oe.contract('ab,c->acb', t44, t42, optimize=[(0, 1)])
     return out
 
 
@@ -11731,21 +13593,40 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = X @ t16
     t18 = np.swapaxes(Mcausal, -1, -2)
     t19 = t17 * t18
-    t20 = np.swapaxes(W_Q, -1, -2)
-    t21 = t20 @ t0
-    t22 = np.swapaxes(Y, -1, -2)
-    t23 = t22.sum(-2, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
-    t25 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.eye(d_V, dtype=X.dtype)
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t20.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t19), (n_batch, n_batch, L, L))
+    t23 = (np.reshape(t22.transpose(1, 2, 0, 3), (n_batch, L, L*n_batch)) @ np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)))
+    t24 = np.swapaxes(W_Q, -1, -2)
+    t25 = t24 @ t0
+    t26 = np.swapaxes(Y, -1, -2)
+    t27 = t26.sum(-2, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-2] + (d_V, t27.shape[-1]))
+    t29 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = np.swapaxes(t9, -1, -2)
-    t29 = np.swapaxes(t4, -1, -2)
-    t30 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t19, X, t0, t19, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t19, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return t31
+    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t32 = np.swapaxes(t9, -1, -2)
+    t33 = np.swapaxes(t4, -1, -2)
+    t34 = np.reshape((t32.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t35 = (t33 @ t25)
+    t36 = np.reshape((np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t37 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t9.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t38 = np.reshape((np.reshape(t37, (n_batch, L, L, L, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t39 = np.reshape((np.reshape(t38.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t23.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    t41 = np.reshape((np.reshape(t25.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t25.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t42 = np.reshape((np.reshape(t33, (L*n_batch, d_K)) @ np.reshape(t33.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t43 = t21 * t41
+    t44 = np.reshape((np.reshape(t37.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t18.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t45 = np.reshape((np.reshape(t44.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t46 = np.reshape((np.reshape(t45.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t47 = np.reshape((np.reshape(t46.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t48 = np.reshape((np.reshape(t47.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t45.transpose(3, 2, 1, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t49 = (n_batch**(-2)) * (t23 * t19).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t40 * t18.transpose(1, 0)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t48 * t43.transpose(0, 2, 3, 1)).sum()
+    t50 = np.sqrt(np.maximum(t49, 0.0))
+    return t50
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11777,12 +13658,19 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    t20 = t9.transpose(2, 0, 1)
+    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
     return out
 
 
@@ -11813,11 +13701,24 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.transpose(0, 2, 3, 1)).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return t32
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11852,22 +13753,27 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t22 = np.swapaxes(Y, -1, -2)
-    t23 = t22.sum(-2, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
-    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.eye(d_V, dtype=X.dtype)
+    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t22 = (np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t23 = np.swapaxes(Y, -1, -2)
+    t24 = t23.sum(-2, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
+    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = t12 @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t30 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t29, X, W_V, t24, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t3, t28, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t29 = t12 @ X
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t31 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t32 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t31.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t34 = np.reshape((np.reshape(t33.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t35 = (np.reshape((np.reshape(t34.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t36 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -11900,18 +13806,41 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 - Y
     t17 = (1/L) * t16
     G = t17
-    t18 = np.swapaxes(Y, -1, -2)
-    t19 = t18.sum(-2, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-2] + (d_V, t19.shape[-1]))
-    t21 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.eye(d_V, dtype=X.dtype)
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = np.reshape((np.reshape(t21, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t25 = (np.reshape(t24.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t26 = np.swapaxes(Y, -1, -2)
+    t27 = t26.sum(-2, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-2] + (d_V, t27.shape[-1]))
+    t29 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = t11 @ X
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t20, dA, t24, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t32 = t11 @ X
+    t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t34 = np.reshape((np.reshape(t32, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t36 = (np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t37 = np.reshape((np.reshape(t36.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t38 = np.reshape((t35.transpose(1, 2, 0) @ np.reshape(t33.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t39 = np.reshape((np.reshape(t38, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t40 = (t39.transpose(0, 2, 3, 4, 1) @ t37.transpose(2, 0, 3, 1, 4))
+    t41 = np.reshape((np.reshape(t40.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t19.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1))), (L, L))
+    t42 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t35.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t43 = np.reshape((np.reshape(t32, (L*n_batch, d_V)) @ np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t44 = t43 * t19
+    t45 = np.reshape((np.reshape(t42.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t46 = np.reshape((np.reshape(t45.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t47 = np.reshape((np.reshape(t46.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t45.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t48 = (1/(d_K*n_batch**2)) * (t25 * t3).sum() + (2/(L*d_K*n_batch**2)) * (t41 * t3.transpose(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    return t49
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11942,10 +13871,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t18 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
+    t19 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -11976,8 +13905,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t17 = oe.contract('abcc,abc->ab', dA, t11)
+    return (1/(L*n_batch)) * (t17 * t16).sum()
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12008,25 +13939,30 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t13, -1, -2)
     t18 = np.swapaxes(t4, -1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t20 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t21 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
+    t20 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
+    t23 = (np.reshape((np.reshape(t22, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t24 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t25 = ((np.reshape(t24, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     F = t14
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t11 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t29 = oe.contract('abc,cd,ace->bead', t1, t28, t18, optimize=[(0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t11 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t34 = (np.reshape((np.reshape(t33.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t25, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12056,20 +13992,41 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t12, -1, -2)
     t17 = np.swapaxes(t3, -1, -2)
+    t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t25 = t24 * t20.transpose(0, 2, 3, 1)
+    t26 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t26.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t13
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t10 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t8, t10, dA, t16, Mcausal, X, t17, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t23, t1, t17, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, t17, X, t0, t23, t1, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return t25
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t10 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t37 = np.reshape((np.reshape(t36.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t38 = np.reshape((np.reshape(t37.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t39 = np.reshape((np.reshape(t38.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
+    t40 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = t21 * t19
+    t42 = t20 * t40
+    t43 = np.reshape((np.reshape(t41, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t44 = (np.reshape(t43.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t42.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t45 = (1/(L**2*d_K*n_batch**2)) * (t28 * t25).sum() + (2/(L*d_K*n_batch**2)) * (t39 * t1).sum() + (1/(d_K*n_batch**2)) * (t44 * t1).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return t46
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12100,25 +14057,30 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t13, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t20 = oe.contract('abc,acd,ade->bead', t1, t9, t18, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t20 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t21 = ((np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t22 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     F = t14
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t11 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t29 = oe.contract('abc,acd->bdac', t27, t18, optimize=[(0, 1)])
-    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t11 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t34 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t35 = (np.reshape((np.reshape(t34.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t25, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12148,20 +14110,41 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(t12, -1, -2)
     t17 = X @ W_Q
+    t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
+    t25 = t24 * t20.transpose(0, 2, 3, 1)
+    t26 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t26.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t13
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t10 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t8, t10, dA, t16, Mcausal, t17, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t23, t1, X, t17, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, X, t17, t0, t23, t1, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return t25
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t10 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t37 = np.reshape((np.reshape(t36.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t38 = np.reshape((np.reshape(t37.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t39 = np.reshape((np.reshape(t38.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
+    t40 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = t21 * t19
+    t42 = t20 * t40
+    t43 = np.reshape((np.reshape(t41, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t44 = (np.reshape(t43.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t42.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t45 = (1/(L**2*d_K*n_batch**2)) * (t28 * t25).sum() + (2/(L*d_K*n_batch**2)) * (t39 * t1).sum() + (1/(d_K*n_batch**2)) * (t44 * t1).sum()
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return t46
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12192,10 +14175,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t18 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -12226,10 +14209,15 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12255,14 +14243,27 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = t15 + 0.0 + 0.0
-    t17 = np.sqrt(np.maximum(t15, 0.0))
-    t18 = np.sqrt(np.maximum(t16, 0.0))
-    return (t17, 0.0, t18,)
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
+    t29 = t28 + 0.0 + 0.0
+    t30 = np.sqrt(np.maximum(t28, 0.0))
+    t31 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30, 0.0, t31,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -12288,28 +14289,47 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
     F = t10
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t5 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = G @ t13
-    t22 = Mcausal * t21
-    t23 = t22 @ X
-    t24 = t0 @ t23
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t24, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t27 = t15 + t25 + t26
-    t28 = np.sqrt(np.maximum(t15, 0.0))
-    t29 = np.sqrt(np.maximum(t25, 0.0))
-    t30 = np.sqrt(np.maximum(t27, 0.0))
-    return (t28, t29, t30,)
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t5 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G @ t13
+    t35 = Mcausal * t34
+    t36 = t35 @ X
+    t37 = t0 @ t36
+    t38 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
+    t39 = np.reshape((t37.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t40 = (t14 @ t2)
+    t41 = (t39.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t42 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, L, L, 1)) * np.reshape(t40, (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t43 = np.reshape((np.reshape(t42.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    t44 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t41.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
+    t45 = (2/(L*d_K**(3/2)*n_batch**2)) * (t44 * Mcausal).sum()
+    t46 = t28 + t38 + t45
+    t47 = np.sqrt(np.maximum(t28, 0.0))
+    t48 = np.sqrt(np.maximum(t38, 0.0))
+    t49 = np.sqrt(np.maximum(t46, 0.0))
+    return (t47, t48, t49,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -12335,23 +14355,45 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = t9 @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, t3, t5, dA, t13, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = np.reshape((np.reshape(t15.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t20.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.transpose(0, 2, 3, 1)).sum()
     F = t10
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t5 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t22 = t14 + t20 + t21
-    t23 = np.sqrt(np.maximum(t14, 0.0))
-    t24 = np.sqrt(np.maximum(t20, 0.0))
-    t25 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, t24, t25,)
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t5 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t29 * t16
+    t31 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t31 * t17
+    t33 = np.reshape((np.reshape(t30, (L*n_batch**2, L)) @ Mcausal), (n_batch, L, n_batch, L))
+    t34 = (np.reshape(t33.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t32.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * Mcausal).sum()
+    t36 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = (np.reshape(t36.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
+    t38 = np.reshape((np.reshape(t37.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t39 = np.reshape((np.reshape(t3.transpose(1, 0, 2), (L, d_V*n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, L))), (L, n_batch, d_V, L))
+    t40 = (t39.transpose(1, 3, 0, 2) @ t14)
+    t41 = np.reshape((np.reshape(t40, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t42 = (np.reshape(t41.transpose(0, 3, 2, 1, 4), (n_batch, n_batch, L, L**2)) @ np.reshape(t38.transpose(3, 2, 4, 1, 0), (n_batch, n_batch, L**2, L)))
+    t43 = (2/(L*d_K*n_batch**2)) * (t42 * t17.transpose(2, 0, 3, 1)).sum()
+    t44 = t23 + t35 + t43
+    t45 = np.sqrt(np.maximum(t23, 0.0))
+    t46 = np.sqrt(np.maximum(t35, 0.0))
+    t47 = np.sqrt(np.maximum(t44, 0.0))
+    return (t45, t46, t47,)
 
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12381,31 +14423,50 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t20 = Y.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t29 = np.reshape((np.reshape(t28.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t30 = np.reshape((np.reshape(t29.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t24.transpose(0, 2, 3, 1)).sum()
+    t33 = Y.sum(-1, keepdims=True)
+    t34 = np.broadcast_to(t33, t33.shape[:-1] + (d_V,))
     F = t14
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t21 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = t4 @ t27
-    t29 = t28 * t3
-    t30 = t29 @ X
-    t31 = t0 @ t30
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)])
-    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t31, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t34 = t19 + t32 + t33
-    t35 = np.sqrt(np.maximum(t19, 0.0))
-    t36 = np.sqrt(np.maximum(t32, 0.0))
-    t37 = np.sqrt(np.maximum(t34, 0.0))
-    return (t35, t36, t37,)
+    t35 = np.exp(F - F.max(-1, keepdims=True))
+    A36 = t35 / t35.sum(-1, keepdims=True)
+    t37 = t34 * A36
+    t38 = t37 - Y
+    t39 = (1/L) * t38
+    G = t39
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = t4 @ t40
+    t42 = t41 * t3
+    t43 = t42 @ X
+    t44 = t0 @ t43
+    t45 = (n_batch**(-2)) * (t44.sum((0,)) * t44.sum((0,))).sum()
+    t46 = np.reshape((t44.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t47 = (t18 @ t2)
+    t48 = (t46.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
+    t49 = np.reshape((np.reshape(t26, (n_batch, L, L, L, 1)) * np.reshape(t47.transpose(0, 2, 1), (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t50 = np.reshape((np.reshape(t49.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
+    t51 = np.reshape((np.reshape(t50.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t48.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
+    t52 = (2/(L*d_K**(3/2)*n_batch**2)) * (t51 * t3.transpose(1, 0)).sum()
+    t53 = t32 + t45 + t52
+    t54 = np.sqrt(np.maximum(t32, 0.0))
+    t55 = np.sqrt(np.maximum(t45, 0.0))
+    t56 = np.sqrt(np.maximum(t53, 0.0))
+    return (t54, t55, t56,)
 
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -12435,13 +14496,26 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = np.swapaxes(t4, -1, -2)
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = t18 + 0.0 + 0.0
-    t20 = np.sqrt(np.maximum(t18, 0.0))
-    t21 = np.sqrt(np.maximum(t19, 0.0))
-    return (t20, 0.0, t21,)
+    t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.transpose(0, 2, 3, 1)).sum()
+    t32 = t31 + 0.0 + 0.0
+    t33 = np.sqrt(np.maximum(t31, 0.0))
+    t34 = np.sqrt(np.maximum(t32, 0.0))
+    return (t33, 0.0, t34,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -12471,25 +14545,46 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t17 = t13 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, t4, t7, dA, t17, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t19 = Y.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t24.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
+    t28 = Y.sum(-1, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
     F = t14
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t20 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t28 = t18 + t26 + t27
-    t29 = np.sqrt(np.maximum(t18, 0.0))
-    t30 = np.sqrt(np.maximum(t26, 0.0))
-    t31 = np.sqrt(np.maximum(t28, 0.0))
-    return (t29, t30, t31,)
+    t30 = np.exp(F - F.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t29 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t35 * t20
+    t37 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t37 * t21
+    t39 = np.reshape((np.reshape(t36, (L*n_batch**2, L)) @ t3), (n_batch, L, n_batch, L))
+    t40 = (np.reshape(t39.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t38.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t3).sum()
+    t42 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t43 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t44.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t46 = np.reshape((np.reshape(t45.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t47 = np.reshape((np.reshape(t46.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t42.transpose(1, 2, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t48 = (2/(L*d_K*n_batch**2)) * (t47 * t3).sum()
+    t49 = t27 + t41 + t48
+    t50 = np.sqrt(np.maximum(t27, 0.0))
+    t51 = np.sqrt(np.maximum(t41, 0.0))
+    t52 = np.sqrt(np.maximum(t49, 0.0))
+    return (t50, t51, t52,)
 
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12518,26 +14613,47 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
     F = t13
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t28 = t19 + t26 + t27
-    t29 = np.sqrt(np.maximum(t19, 0.0))
-    t30 = np.sqrt(np.maximum(t26, 0.0))
-    t31 = np.sqrt(np.maximum(t28, 0.0))
-    return (t29, t30, t31,)
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t11 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = t23 * t35
+    t38 = t21 * t36
+    t39 = np.reshape((np.reshape(t37, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t40 = (np.reshape(t39.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t38.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
+    t42 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t43 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t44.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t46 = np.reshape((np.reshape(t45.transpose(2, 3, 1, 4, 0), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t47 = np.reshape((np.reshape(t46.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(1, 2, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
+    t49 = t28 + t41 + t48
+    t50 = np.sqrt(np.maximum(t28, 0.0))
+    t51 = np.sqrt(np.maximum(t41, 0.0))
+    t52 = np.sqrt(np.maximum(t49, 0.0))
+    return (t50, t51, t52,)
 
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -12566,26 +14682,47 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
     F = t13
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t28 = t19 + t26 + t27
-    t29 = np.sqrt(np.maximum(t19, 0.0))
-    t30 = np.sqrt(np.maximum(t26, 0.0))
-    t31 = np.sqrt(np.maximum(t28, 0.0))
-    return (t29, t30, t31,)
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t11 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = t23 * t35
+    t38 = t21 * t36
+    t39 = np.reshape((np.reshape(t37, (L*n_batch**2, L)) @ t1), (n_batch, L, n_batch, L))
+    t40 = (np.reshape(t39.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t38.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
+    t42 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t43 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t44.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t46 = np.reshape((np.reshape(t45.transpose(2, 3, 1, 4, 0), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t47 = np.reshape((np.reshape(t46.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(1, 2, 0, 3), (L, L*n_batch**2, 1))), (L, L))
+    t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
+    t49 = t28 + t41 + t48
+    t50 = np.sqrt(np.maximum(t28, 0.0))
+    t51 = np.sqrt(np.maximum(t41, 0.0))
+    t52 = np.sqrt(np.maximum(t49, 0.0))
+    return (t50, t51, t52,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -12614,12 +14751,17 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t17 = t16 + 0.0 + 0.0
-    t18 = np.sqrt(np.maximum(t16, 0.0))
-    t19 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, 0.0, t19,)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
+    t22 = t21 + 0.0 + 0.0
+    t23 = np.sqrt(np.maximum(t21, 0.0))
+    t24 = np.sqrt(np.maximum(t22, 0.0))
+    return (t23, 0.0, t24,)
 
 
 VARIANTS = {

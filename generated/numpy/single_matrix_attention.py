@@ -83,38 +83,40 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = np.swapaxes(W_V, -1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce,abef->dfab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t12 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t13 = np.reshape(t12, (d_V, d_V, d_V, d_V), copy=False)
-    t14 = A @ X
-    M_1 = t14
-    t15 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t13[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = (2/(L*d_V*n_batch)) * t19
-    t21 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t18[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.einsum('abcb->abc', t24)
-    t26 = t19 @ M_1
-    t27 = np.ones((d_V,), dtype=X.dtype)
-    t28 = (2/(L*d_V*n_batch)) * t27
-    t29 = oe.contract('abc->bc', t26, optimize=[(0,)])
-    t25 += oe.contract('ab,c->acb', t29, t28, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t12 = ((t11.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
+    t16 = A @ X
+    M_1 = t16
+    t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t23 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t25[...] = 0
+    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
+    t27 = np.einsum('abcb->abc', t26)
+    t28 = t21 @ M_1
+    t29 = np.ones((d_V,), dtype=X.dtype)
+    t30 = (2/(L*d_V*n_batch)) * t29
+    t31 = t28.sum((0,))
+    t27 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
     return H
 
 
@@ -161,24 +163,44 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    t9 = A @ X
-    M_1 = t9
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    t12 = np.swapaxes(M_1, -1, -2)
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t12, t5, M_2, X, t12, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    t15 = t12 @ M_1
-    t16 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t8 = (t7.transpose(1, 2, 0) @ t0)
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = np.reshape((t8.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t12 = (t11.transpose(0, 2, 3, 1) @ dA)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.transpose(0, 2, 3, 1)).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
-    return (t8, t11, t14, t17,)
+    t18 = A @ X
+    M_1 = t18
+    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t20 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t9
+    t22 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t19, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t25 * t22.transpose(0, 2, 3, 1)).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = np.swapaxes(M_1, -1, -2)
+    t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t5.transpose(1, 0)), (n_batch, L, d_V))
+    t30 = np.reshape((np.reshape(t28.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t28.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = t9 * t30
+    t32 = np.reshape((np.reshape(t29, (L*n_batch, d_V)) @ np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = np.reshape((np.reshape(t23.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t31.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t35 = (4/(L**2*d_V**2*n_batch**2)) * (t34 * t32.transpose(0, 2, 3, 1)).sum()
+    t36 = np.sqrt(np.maximum(t35, 0.0))
+    t37 = t28 @ M_1
+    t38 = (4/(L**2*d_V*n_batch**2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    return (t17, t27, t36, t39,)
 
 
 def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -195,15 +217,17 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = np.swapaxes(W_V, -1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = np.swapaxes(W_V, -1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t11 = (np.reshape((np.reshape(t10.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t12 = (X * t9).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -219,12 +243,16 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = np.swapaxes(W_V, -1, -2)
-    t6 = W_V @ t5
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t6 = np.swapaxes(W_V, -1, -2)
+    t7 = W_V @ t6
+    t8 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t9 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t10 = np.reshape((np.reshape(t9, (L*n_batch, d_V**2)) @ np.reshape(t7.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t10 * t8).sum()
 
 
 def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -241,15 +269,17 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = np.swapaxes(W_V, -1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abef->dfab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abd->cdab', t8, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = np.swapaxes(W_V, -1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t11 = ((t10.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -265,14 +295,21 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    return t8
+    t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t8 = (t7.transpose(1, 2, 0) @ t0)
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = np.reshape((t8.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t12 = (t11.transpose(0, 2, 3, 1) @ dA)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.transpose(0, 2, 3, 1)).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -289,15 +326,16 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = (2/(L*d_V*n_batch)) * X
-    t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = A @ X
+    M_1 = t7
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -313,14 +351,20 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
-    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t7 = np.sqrt(np.maximum(t6, 0.0))
-    return t7
+    t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t6, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t7.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t13 = np.reshape((np.reshape(t12.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t10.transpose(0, 2, 3, 1)).sum()
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -341,7 +385,7 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -360,7 +404,7 @@ def mse_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = np.swapaxes(M_1, -1, -2)
     t6 = t5 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -381,13 +425,14 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = (2/(L*d_V*n_batch)) * t6
-    t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t10 = (2/(L*d_V*n_batch)) * t6
+    t11 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t7.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -407,12 +452,18 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
+    t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t10.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -435,7 +486,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
@@ -454,7 +505,7 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = np.swapaxes(M_1, -1, -2)
     t6 = t5 @ M_1
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = np.sqrt(np.maximum(t7, 0.0))
     return t8
 
@@ -486,32 +537,34 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t2
-    t17 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t17 = (1/n_batch) * t2
+    t18 = M_3.transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t22 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * X
-    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = (1/n_batch) * t26
-    t28 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t25[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
-    t30 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t30[...] = 0
+    M_2 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * X
+    t24 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = M_2.transpose(3, 2, 0, 1)
+    t21[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    t28 = np.swapaxes(G, -1, -2)
+    t29 = (1/n_batch) * t28
+    t30 = M_2.transpose(2, 3, 0, 1)
+    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32[...] = 0
     return H
 
 
@@ -579,21 +632,30 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
+    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t14
+    t17 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17, (n_batch, n_batch, L**2, L)) @ t15.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t19 = np.reshape((np.reshape(t18.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t20 = (n_batch**(-2)) * (t19 * t16.transpose(0, 2, 3, 1)).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t18, M_2, X, t18, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return (t15, t17, t20, 0.0,)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t15
+    t24 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24, (n_batch, n_batch, L**2, L)) @ t15.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t29.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = t15 * t30
+    t32 = (n_batch**(-2)) * (t26 * t31.transpose(0, 2, 3, 1)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return (t21, t28, t33, 0.0,)
 
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -622,13 +684,14 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/n_batch) * t1
-    t16 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t16 = (1/n_batch) * t1
+    t17 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t18 = (X * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -656,10 +719,12 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t15, M_3)
 
 
 def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -688,13 +753,14 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/n_batch) * t1
-    t16 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t16 = (1/n_batch) * t1
+    t17 = M_3.transpose(2, 3, 0, 1)
+    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -722,12 +788,16 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t14
+    t17 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17, (n_batch, n_batch, L**2, L)) @ t15.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t19 = np.reshape((np.reshape(t18.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t20 = (n_batch**(-2)) * (t19 * t16.transpose(0, 2, 3, 1)).sum()
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -744,20 +814,21 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = F - Y
-    t9 = (2/(L*d_V)) * t8
-    G = t9
-    t10 = (1/n_batch) * X
-    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
-    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (1/n_batch) * X
+    t12 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -773,9 +844,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -783,9 +852,16 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t7 = F - Y
     t8 = (2/(L*d_V)) * t7
     G = t8
-    t9 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = np.reshape((np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13, (n_batch, n_batch, L**2, L)) @ t10.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (n_batch**(-2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -828,13 +904,14 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.swapaxes(G, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (1/n_batch) * t9
-    t12 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t12 = (1/n_batch) * t9
+    t13 = M_2.transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -858,12 +935,17 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.swapaxes(G, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t8, M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t10 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = np.reshape((np.reshape(t11.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14, (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t16 = np.reshape((np.reshape(t15.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t17 = (n_batch**(-2)) * (t16 * t13.transpose(0, 2, 3, 1)).sum()
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -899,69 +981,72 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = np.swapaxes(W_V, -1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce,abef->dfab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, X, optimize=[(0, 1)])
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = t7 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdims=True)
-    t19 = A * t18
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t12 = ((t11.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t8 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t2
-    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t23 = np.reshape(t10, t10.shape[:2] + (-1,))
-    t24 = np.reshape(t21, t21.shape[:2] + (-1,))
-    t25 = np.concatenate([t23, t24], axis=-1)
-    t26 = np.reshape(t11, t11.shape[:2] + (-1,))
-    t27 = np.reshape(t22, t22.shape[:2] + (-1,))
+    M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * t2
+    t24 = M_3.transpose(2, 3, 0, 1)
+    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = np.reshape(t12, t12.shape[:2] + (-1,))
+    t27 = np.reshape(t24, t24.shape[:2] + (-1,))
     t28 = np.concatenate([t26, t27], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t25, t28, optimize=[(0, 1)])
-    t29 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t32 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t33 = (1/n_batch) * X
-    t34 = oe.contract('abc,abd->cdab', t33, G, optimize=[(0, 1)])
-    t35 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t30[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
-    t30 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
-    t38 = np.swapaxes(M_1, -1, -2)
-    t39 = (2/(L*d_V*n_batch)) * t38
-    t40 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
-    t42 = np.swapaxes(G, -1, -2)
-    t43 = (1/n_batch) * t42
-    t44 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
-    t37[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t37 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t46[...] = 0
-    t47 = np.reshape(t46, (d_V, d_V, d_V, d_V), copy=False)
-    t48 = np.einsum('abcb->abc', t47)
-    t49 = t38 @ M_1
-    t50 = np.ones((d_V,), dtype=X.dtype)
-    t51 = (2/(L*d_V*n_batch)) * t50
-    t52 = oe.contract('abc->bc', t49, optimize=[(0,)])
-    t48 += oe.contract('ab,c->acb', t52, t51, optimize=[(0, 1)])
+    t29 = np.reshape(t13, t13.shape[:2] + (-1,))
+    t30 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t31 = np.concatenate([t29, t30], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
+    t32 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
+    t34 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t35 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = (1/n_batch) * X
+    t37 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = M_2.transpose(3, 2, 0, 1)
+    t33[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
+    t41 = np.swapaxes(M_1, -1, -2)
+    t42 = (2/(L*d_V*n_batch)) * t41
+    t43 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t45 = np.swapaxes(G, -1, -2)
+    t46 = (1/n_batch) * t45
+    t47 = M_2.transpose(2, 3, 0, 1)
+    t48 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t40[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t49[...] = 0
+    t50 = np.reshape(t49, (d_V, d_V, d_V, d_V), copy=False)
+    t51 = np.einsum('abcb->abc', t50)
+    t52 = t41 @ M_1
+    t53 = np.ones((d_V,), dtype=X.dtype)
+    t54 = (2/(L*d_V*n_batch)) * t53
+    t55 = t52.sum((0,))
+    t51 += oe.contract('ab,c->acb', t55, t54, optimize=[(0, 1)])
     return H
 
 
@@ -1025,38 +1110,85 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = t5 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdims=True)
-    t14 = A * t13
+    t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t8 = (t7.transpose(1, 2, 0) @ t0)
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = np.reshape((t8.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t12 = (t11.transpose(0, 2, 3, 1) @ dA)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t5 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t19, t5, M_2, X, t19, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t19, t5, M_2, X, t20, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = t19 @ M_1
-    t24 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return (t16, t18, t22, t25,)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t9 * t24
+    t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t24.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t9 * t29
+    t31 = np.reshape((np.reshape(t29.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31, (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t28 * t9.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t33 * t30.transpose(0, 2, 3, 1)).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t37 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t37 * t9
+    t39 = np.reshape((np.reshape(t36.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t36, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = np.reshape((np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t41 = np.reshape((np.reshape(t40.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t38.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t42 = np.reshape((np.reshape(t41.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t43 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t36.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t45 = np.reshape((np.reshape(t43.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t46 = np.reshape((np.reshape(t45, (n_batch, n_batch, L**2, L)) @ t9.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t47 = np.reshape((np.reshape(t46.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t48 = np.reshape((t47.transpose(0, 2, 3, 4, 1) @ np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t49 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t50 = t49 * t9
+    t51 = np.reshape((np.reshape(t29.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t52 = np.reshape((np.reshape(t51, (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t53 = np.reshape((np.reshape(t52.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t54 = (4/(L**2*d_V**2*n_batch**2)) * (t42 * t39.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t48 * t44.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t53 * t50.transpose(0, 2, 3, 1)).sum()
+    t55 = np.sqrt(np.maximum(t54, 0.0))
+    t56 = np.swapaxes(M_1, -1, -2)
+    t57 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t5.transpose(1, 0)), (n_batch, L, d_V))
+    t58 = np.reshape((np.reshape(t56.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t56.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t59 = t9 * t58
+    t60 = np.reshape((np.reshape(t57, (L*n_batch, d_V)) @ np.reshape(t57.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t61 = np.reshape((np.reshape(t40.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t59.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t62 = np.reshape((np.reshape(t61.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t63 = np.swapaxes(G, -1, -2)
+    t64 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t56.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t65 = np.reshape((np.reshape(t57, (L*n_batch, d_V)) @ np.reshape(t63.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t66 = np.reshape((np.reshape(t64.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t67 = np.reshape((np.reshape(t66, (n_batch, n_batch, L**2, L)) @ t9.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t68 = np.reshape((np.reshape(t67.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t69 = np.reshape((t68.transpose(0, 2, 3, 4, 1) @ np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t70 = np.reshape((np.reshape(t63.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t63.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t71 = t9 * t70
+    t72 = (4/(L**2*d_V**2*n_batch**2)) * (t62 * t60.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t69 * t65.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t53 * t71.transpose(0, 2, 3, 1)).sum()
+    t73 = np.sqrt(np.maximum(t72, 0.0))
+    t74 = t56 @ M_1
+    t75 = (4/(L**2*d_V*n_batch**2)) * (t74.sum((0,)) * t74.sum((0,))).sum()
+    t76 = np.sqrt(np.maximum(t75, 0.0))
+    return (t35, t55, t73, t76,)
 
 
 def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -1073,34 +1205,37 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = np.swapaxes(W_V, -1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = t6 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = np.swapaxes(W_V, -1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t11 = (np.reshape((np.reshape(t10.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t12 = (X * t9).transpose(2, 0, 1)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t7 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t20 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t21 = oe.contract('abc,acb->bac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t22 = (1/n_batch) * t1
+    t23 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t24 = (X * t22.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -1116,27 +1251,33 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = np.swapaxes(W_V, -1, -2)
-    t6 = W_V @ t5
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = t5 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdims=True)
-    t14 = A * t13
+    M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t6 = np.swapaxes(W_V, -1, -2)
+    t7 = W_V @ t6
+    t8 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t9 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t10 = np.reshape((np.reshape(t9, (L*n_batch, d_V**2)) @ np.reshape(t7.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t6 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t10 * t8).sum() + (1/n_batch) * oe.contract('ab,abcc->', t20, M_3)
 
 
 def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -1153,39 +1294,42 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = np.swapaxes(W_V, -1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abef->dfab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abd->cdab', t8, X, optimize=[(0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = t6 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = np.swapaxes(W_V, -1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t11 = ((t10.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t7 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t20 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t22 = np.reshape(t9, t9.shape[:2] + (-1,))
-    t23 = np.reshape(t20, t20.shape[:2] + (-1,))
-    t24 = np.concatenate([t22, t23], axis=-1)
-    t25 = np.reshape(t10, t10.shape[:2] + (-1,))
-    t26 = np.reshape(t21, t21.shape[:2] + (-1,))
+    M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t22 = (1/n_batch) * t1
+    t23 = M_3.transpose(2, 3, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = np.reshape(t11, t11.shape[:2] + (-1,))
+    t26 = np.reshape(t23, t23.shape[:2] + (-1,))
     t27 = np.concatenate([t25, t26], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t24, t27, optimize=[(0, 1)])
+    t28 = np.reshape(t12, t12.shape[:2] + (-1,))
+    t29 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t30 = np.concatenate([t28, t29], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1201,29 +1345,44 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = t5 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdims=True)
-    t14 = A * t13
+    t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t8 = (t7.transpose(1, 2, 0) @ t0)
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = np.reshape((t8.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t12 = (t11.transpose(0, 2, 3, 1) @ dA)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t5 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t9 * t24
+    t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t24.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t9 * t29
+    t31 = np.reshape((np.reshape(t29.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31, (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t28 * t9.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t33 * t30.transpose(0, 2, 3, 1)).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return t35
 
 
 def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -1240,24 +1399,25 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = (2/(L*d_V*n_batch)) * X
-    t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = (1/n_batch) * X
-    t14 = oe.contract('abc,abd->cdab', t13, G, optimize=[(0, 1)])
-    t15 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = A @ X
+    M_1 = t7
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/n_batch) * X
+    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1273,19 +1433,37 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
-    t6 = M_1 @ W_V
-    F = t6
-    t7 = F - Y
-    t8 = (2/(L*d_V)) * t7
-    G = t8
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t6, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t7.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t13 = np.reshape((np.reshape(t12.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, n_batch, L**2, L)) @ t7.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t22 = np.reshape((t21.transpose(0, 2, 3, 4, 1) @ np.reshape(t7.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t24 * t7
+    t26 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26, (n_batch, n_batch, L**2, L)) @ t7.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t10.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t22 * t18.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t28 * t25.transpose(0, 2, 3, 1)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -1306,7 +1484,7 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -1325,7 +1503,7 @@ def mse_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = np.swapaxes(M_1, -1, -2)
     t6 = t5 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -1346,23 +1524,24 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = (2/(L*d_V*n_batch)) * t6
-    t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = (1/n_batch) * t15
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t10 = (2/(L*d_V*n_batch)) * t6
+    t11 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t7.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = (1/n_batch) * t16
+    t18 = M_2.transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1382,18 +1561,36 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = np.swapaxes(G, -1, -2)
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t11, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
+    t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t10.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22, (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t25 = np.reshape((t24.transpose(0, 2, 3, 4, 1) @ np.reshape(t10.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t26 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = t10 * t26
+    t29 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29, (n_batch, n_batch, L**2, L)) @ t10.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t32 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t25 * t21.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t31 * t28.transpose(0, 2, 3, 1)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return t33
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -1416,7 +1613,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
     return out
 
@@ -1435,7 +1632,7 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = np.swapaxes(M_1, -1, -2)
     t6 = t5 @ M_1
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = np.sqrt(np.maximum(t7, 0.0))
     return t8
 
@@ -1452,34 +1649,49 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = t5 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t8 = (t7.transpose(1, 2, 0) @ t0)
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = np.reshape((t8.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t12 = (t11.transpose(0, 2, 3, 1) @ dA)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t9.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.transpose(0, 2, 3, 1)).sum()
+    t17 = A @ X
+    M_1 = t17
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t5 @ t0
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = t7 + t16 + t17
-    t19 = np.sqrt(np.maximum(t7, 0.0))
-    t20 = np.sqrt(np.maximum(t16, 0.0))
-    t21 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, t20, t21,)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t25 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = t9 * t25
+    t27 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27, (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t29 = np.reshape((np.reshape(t28.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t30 = (n_batch**(-2)) * (t29 * t26.transpose(0, 2, 3, 1)).sum()
+    t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t9 * t31
+    t33 = np.reshape((np.reshape(t32.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t31.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t12, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t36 = (4/(L*d_V*n_batch**2)) * (t35 * t9.transpose(2, 0, 1, 3)).sum()
+    t37 = t16 + t30 + t36
+    t38 = np.sqrt(np.maximum(t16, 0.0))
+    t39 = np.sqrt(np.maximum(t30, 0.0))
+    t40 = np.sqrt(np.maximum(t37, 0.0))
+    return (t38, t39, t40,)
 
 
 def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -1494,24 +1706,42 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
-    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = F - Y
-    t9 = (2/(L*d_V)) * t8
-    G = t9
-    t10 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
-    t12 = t6 + t10 + t11
-    t13 = np.sqrt(np.maximum(t6, 0.0))
-    t14 = np.sqrt(np.maximum(t10, 0.0))
-    t15 = np.sqrt(np.maximum(t12, 0.0))
-    return (t13, t14, t15,)
+    t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t6, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t7.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t13 = np.reshape((np.reshape(t12.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t10.transpose(0, 2, 3, 1)).sum()
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t7
+    t21 = np.reshape((np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21, (n_batch, n_batch, L**2, L)) @ t7.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t24 = (n_batch**(-2)) * (t23 * t20.transpose(0, 2, 3, 1)).sum()
+    t25 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27, (n_batch, n_batch, L**2, L)) @ t7.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t29 = np.reshape((np.reshape(t28.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t30 = np.reshape((t29.transpose(0, 2, 3, 4, 1) @ np.reshape(t7.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t31 = (4/(L*d_V*n_batch**2)) * (t30 * t26.transpose(0, 2, 3, 1)).sum()
+    t32 = t14 + t24 + t31
+    t33 = np.sqrt(np.maximum(t14, 0.0))
+    t34 = np.sqrt(np.maximum(t24, 0.0))
+    t35 = np.sqrt(np.maximum(t32, 0.0))
+    return (t33, t34, t35,)
 
 
 def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -1530,23 +1760,41 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t12, M_2, X, t12, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t12, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t15 = t8 + t13 + t14
-    t16 = np.sqrt(np.maximum(t8, 0.0))
-    t17 = np.sqrt(np.maximum(t13, 0.0))
-    t18 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, t17, t18,)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
+    t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t10.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum()
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t20.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t10 * t21
+    t24 = np.reshape((np.reshape(t22.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24, (n_batch, n_batch, L**2, L)) @ t10.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
+    t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t8, (L*n_batch, d_V)) @ np.reshape(t20.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = np.reshape((np.reshape(t28.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30, (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t33 = np.reshape((t32.transpose(0, 2, 3, 4, 1) @ np.reshape(t10.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t34 = (4/(L*d_V*n_batch**2)) * (t33 * t29.transpose(0, 2, 3, 1)).sum()
+    t35 = t16 + t27 + t34
+    t36 = np.sqrt(np.maximum(t16, 0.0))
+    t37 = np.sqrt(np.maximum(t27, 0.0))
+    t38 = np.sqrt(np.maximum(t35, 0.0))
+    return (t36, t37, t38,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -1563,7 +1811,7 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = np.swapaxes(M_1, -1, -2)
     t6 = t5 @ M_1
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = t7 + 0.0 + 0.0
     t9 = np.sqrt(np.maximum(t7, 0.0))
     t10 = np.sqrt(np.maximum(t8, 0.0))
@@ -1583,9 +1831,15 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t4 = X @ t3
     t5 = np.exp(t4 - t4.max(-1, keepdims=True))
     A = t5 / t5.sum(-1, keepdims=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t6 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t6, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
+    t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
+    t8 = np.reshape((np.reshape(t7.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t6), (n_batch, d_V, L, d_V))
+    t2[...] = (np.reshape((np.reshape(t8.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t9 = -A
+    t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
+    t12 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += (np.reshape((np.reshape(t12, (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
     return out
 
 
@@ -1602,9 +1856,15 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t4 = X @ t3
     t5 = np.exp(t4 - t4.max(-1, keepdims=True))
     A = t5 / t5.sum(-1, keepdims=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t6 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t6, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
+    t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
+    t8 = np.reshape((np.reshape(t7.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t6), (n_batch, d_V, L, d_V))
+    t2[...] = (np.reshape((np.reshape(t8.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t9 = -A
+    t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
+    t12 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += (np.reshape((np.reshape(t12, (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
     return (J,)
 
 
@@ -1713,38 +1973,40 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_V*n_batch)) * X
-    t12 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t11, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t14 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
-    t16 = A @ X
-    M_1 = t16
-    t17 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = t21 @ M_1
-    t29 = np.ones((d_V,), dtype=X.dtype)
-    t30 = (2/(L*d_V*n_batch)) * t29
-    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
-    t27 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t10 = np.swapaxes(W_V, -1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_V*n_batch)) * X
+    t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t14 = ((t13.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
+    t18 = A @ X
+    M_1 = t18
+    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
+    t23 = np.swapaxes(M_1, -1, -2)
+    t24 = (2/(L*d_V*n_batch)) * t23
+    t25 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = t23 @ M_1
+    t31 = np.ones((d_V,), dtype=X.dtype)
+    t32 = (2/(L*d_V*n_batch)) * t31
+    t33 = t30.sum((0,))
+    t29 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
     return H
 
 
@@ -1795,24 +2057,44 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    t11 = A @ X
-    M_1 = t11
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    t14 = np.swapaxes(M_1, -1, -2)
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t14, t7, M_2, X, t14, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    t17 = t14 @ M_1
-    t18 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t10 = (t9.transpose(1, 2, 0) @ t0)
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = np.reshape((t10.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t14 = (t13.transpose(0, 2, 3, 1) @ dA)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t11.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
     t19 = np.sqrt(np.maximum(t18, 0.0))
-    return (t10, t13, t16, t19,)
+    t20 = A @ X
+    M_1 = t20
+    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t22 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t11
+    t24 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t21, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = np.reshape((np.reshape(t11.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t28 = (4/(L**2*d_V**2*n_batch**2)) * (t27 * t24.transpose(0, 2, 3, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = np.swapaxes(M_1, -1, -2)
+    t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t7.transpose(1, 0)), (n_batch, L, d_V))
+    t32 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t30.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = t11 * t32
+    t34 = np.reshape((np.reshape(t31, (L*n_batch, d_V)) @ np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = np.reshape((np.reshape(t25.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t33.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t36 = np.reshape((np.reshape(t35.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t37 = (4/(L**2*d_V**2*n_batch**2)) * (t36 * t34.transpose(0, 2, 3, 1)).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    t39 = t30 @ M_1
+    t40 = (4/(L**2*d_V*n_batch**2)) * (t39.sum((0,)) * t39.sum((0,))).sum()
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    return (t19, t29, t38, t41,)
 
 
 def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -1831,15 +2113,17 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = np.swapaxes(W_V, -1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t13 = (np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t14 = (X * t11).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1857,12 +2141,16 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = np.swapaxes(W_V, -1, -2)
-    t8 = W_V @ t7
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = W_V @ t8
+    t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t11 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t12 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t9.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t12 * t10).sum()
 
 
 def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -1881,15 +2169,17 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = np.swapaxes(W_V, -1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abef->dfab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abd->cdab', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t13 = ((t12.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1907,14 +2197,21 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t10 = (t9.transpose(1, 2, 0) @ t0)
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = np.reshape((t10.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t14 = (t13.transpose(0, 2, 3, 1) @ dA)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t11.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -1933,15 +2230,16 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = A @ X
+    M_1 = t9
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1959,14 +2257,20 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t8, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum()
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -1989,7 +2293,7 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9, optimize=[(0,)])
+    t12 = oe.contract('abb->b', t9)
     t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -2010,7 +2314,7 @@ def mse_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t8, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t8)
 
 
 def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -2033,13 +2337,14 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (2/(L*d_V*n_batch)) * t8
-    t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t12 = (2/(L*d_V*n_batch)) * t8
+    t13 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2061,12 +2366,18 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
+    t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t13.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t14.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -2091,7 +2402,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t13 = t10.sum((0,))
     t1 += oe.contract('ab,c->acb', t13, t12, optimize=[(0, 1)])
     return out
 
@@ -2112,7 +2423,7 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
-    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
     t10 = np.sqrt(np.maximum(t9, 0.0))
     return t10
 
@@ -2146,32 +2457,34 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t2
-    t19 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
+    M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t19 = (1/n_batch) * t2
+    t20 = M_3.transpose(2, 3, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * X
-    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
-    t28 = np.swapaxes(G, -1, -2)
-    t29 = (1/n_batch) * t28
-    t30 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
-    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t32[...] = 0
+    M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t25 = (1/n_batch) * X
+    t26 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = M_2.transpose(3, 2, 0, 1)
+    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = (1/n_batch) * t30
+    t32 = M_2.transpose(2, 3, 0, 1)
+    t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
     return H
 
 
@@ -2243,21 +2556,30 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t22 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return (t17, t19, t22, 0.0,)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t24 * t17
+    t26 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = (n_batch**(-2)) * (t28 * t25.transpose(0, 2, 3, 1)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = np.reshape((np.reshape(t31.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t31.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = t17 * t32
+    t34 = (n_batch**(-2)) * (t28 * t33.transpose(0, 2, 3, 1)).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return (t23, t30, t35, 0.0,)
 
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -2288,13 +2610,14 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t18 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t18 = (1/n_batch) * t1
+    t19 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t20 = (X * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2324,10 +2647,12 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t17, M_3)
 
 
 def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -2358,13 +2683,14 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t18 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t18 = (1/n_batch) * t1
+    t19 = M_3.transpose(2, 3, 0, 1)
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2394,12 +2720,16 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t22 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -2418,20 +2748,21 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = (1/n_batch) * X
-    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
-    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/n_batch) * X
+    t14 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2449,9 +2780,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2459,9 +2788,16 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t9 = F - Y
     t10 = (2/(L*d_V)) * t9
     G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = np.reshape((np.reshape(t11.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t16 = np.reshape((np.reshape(t15, (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (n_batch**(-2)) * (t17 * t14.transpose(0, 2, 3, 1)).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -2506,13 +2842,14 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t13 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t13 = (1/n_batch) * t11
-    t14 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t15 = oe.contract('abc,acd->bdac', t13, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t14 = (1/n_batch) * t11
+    t15 = M_2.transpose(2, 3, 0, 1)
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2538,12 +2875,17 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t12 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t10, M_2, X, t10, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t12 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = np.reshape((np.reshape(t13.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16, (n_batch, n_batch, L**2, L)) @ t14.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t19 = (n_batch**(-2)) * (t18 * t15.transpose(0, 2, 3, 1)).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -2581,69 +2923,72 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = np.swapaxes(W_V, -1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_V*n_batch)) * X
-    t12 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t11, X, optimize=[(0, 1)])
-    t14 = A @ X
-    M_1 = t14
-    t15 = M_1 @ W_V
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = t9 @ t2
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t10 = np.swapaxes(W_V, -1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_V*n_batch)) * X
+    t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t14 = ((t13.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t10 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t2
-    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t25 = np.reshape(t12, t12.shape[:2] + (-1,))
-    t26 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t27 = np.concatenate([t25, t26], axis=-1)
-    t28 = np.reshape(t13, t13.shape[:2] + (-1,))
-    t29 = np.reshape(t24, t24.shape[:2] + (-1,))
+    M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t25 = (1/n_batch) * t2
+    t26 = M_3.transpose(2, 3, 0, 1)
+    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28 = np.reshape(t14, t14.shape[:2] + (-1,))
+    t29 = np.reshape(t26, t26.shape[:2] + (-1,))
     t30 = np.concatenate([t28, t29], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
-    t31 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
-    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t34 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t35 = (1/n_batch) * X
-    t36 = oe.contract('abc,abd->cdab', t35, G, optimize=[(0, 1)])
-    t37 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t32 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
-    t38 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t39 = np.reshape(t38, (d_V, d_V, d_V, d_V), copy=False)
-    t40 = np.swapaxes(M_1, -1, -2)
-    t41 = (2/(L*d_V*n_batch)) * t40
-    t42 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
-    t44 = np.swapaxes(G, -1, -2)
-    t45 = (1/n_batch) * t44
-    t46 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t47 = oe.contract('abc,acd->bdac', t45, X, optimize=[(0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t39 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t48[...] = 0
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_V), copy=False)
-    t50 = np.einsum('abcb->abc', t49)
-    t51 = t40 @ M_1
-    t52 = np.ones((d_V,), dtype=X.dtype)
-    t53 = (2/(L*d_V*n_batch)) * t52
-    t54 = oe.contract('abc->bc', t51, optimize=[(0,)])
-    t50 += oe.contract('ab,c->acb', t54, t53, optimize=[(0, 1)])
+    t31 = np.reshape(t15, t15.shape[:2] + (-1,))
+    t32 = np.reshape(t27, t27.shape[:2] + (-1,))
+    t33 = np.concatenate([t31, t32], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
+    t34 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
+    t36 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = (1/n_batch) * X
+    t39 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t40 = M_2.transpose(3, 2, 0, 1)
+    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t42 = np.reshape(t41, (d_V, d_V, d_V, d_V), copy=False)
+    t43 = np.swapaxes(M_1, -1, -2)
+    t44 = (2/(L*d_V*n_batch)) * t43
+    t45 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t47 = np.swapaxes(G, -1, -2)
+    t48 = (1/n_batch) * t47
+    t49 = M_2.transpose(2, 3, 0, 1)
+    t50 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t51[...] = 0
+    t52 = np.reshape(t51, (d_V, d_V, d_V, d_V), copy=False)
+    t53 = np.einsum('abcb->abc', t52)
+    t54 = t43 @ M_1
+    t55 = np.ones((d_V,), dtype=X.dtype)
+    t56 = (2/(L*d_V*n_batch)) * t55
+    t57 = t54.sum((0,))
+    t53 += oe.contract('ab,c->acb', t57, t56, optimize=[(0, 1)])
     return H
 
 
@@ -2711,38 +3056,85 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t7 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t10 = (t9.transpose(1, 2, 0) @ t0)
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = np.reshape((t10.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t14 = (t13.transpose(0, 2, 3, 1) @ dA)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t11.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = A @ X
+    M_1 = t18
+    t19 = M_1 @ W_V
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = t7 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t21, t7, M_2, X, t21, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t21, t7, M_2, X, t22, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t22, M_2, X, t22, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    t25 = t21 @ M_1
-    t26 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return (t18, t20, t24, t27,)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t11 * t26
+    t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t26.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t11 * t31
+    t33 = np.reshape((np.reshape(t31.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33, (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t36 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t30 * t11.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t35 * t32.transpose(0, 2, 3, 1)).sum()
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t39 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = t39 * t11
+    t41 = np.reshape((np.reshape(t38.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t38, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t42 = np.reshape((np.reshape(t11.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t43 = np.reshape((np.reshape(t42.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t40.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t44 = np.reshape((np.reshape(t43.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t46 = np.reshape((np.reshape(t38.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t47 = np.reshape((np.reshape(t45.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t48 = np.reshape((np.reshape(t47, (n_batch, n_batch, L**2, L)) @ t11.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t49 = np.reshape((np.reshape(t48.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t50 = np.reshape((t49.transpose(0, 2, 3, 4, 1) @ np.reshape(t11.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t51 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t52 = t51 * t11
+    t53 = np.reshape((np.reshape(t31.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t54 = np.reshape((np.reshape(t53, (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t55 = np.reshape((np.reshape(t54.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t56 = (4/(L**2*d_V**2*n_batch**2)) * (t44 * t41.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t50 * t46.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t55 * t52.transpose(0, 2, 3, 1)).sum()
+    t57 = np.sqrt(np.maximum(t56, 0.0))
+    t58 = np.swapaxes(M_1, -1, -2)
+    t59 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t7.transpose(1, 0)), (n_batch, L, d_V))
+    t60 = np.reshape((np.reshape(t58.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t58.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t61 = t11 * t60
+    t62 = np.reshape((np.reshape(t59, (L*n_batch, d_V)) @ np.reshape(t59.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t63 = np.reshape((np.reshape(t42.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t61.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t64 = np.reshape((np.reshape(t63.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t65 = np.swapaxes(G, -1, -2)
+    t66 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t58.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t67 = np.reshape((np.reshape(t59, (L*n_batch, d_V)) @ np.reshape(t65.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t68 = np.reshape((np.reshape(t66.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t69 = np.reshape((np.reshape(t68, (n_batch, n_batch, L**2, L)) @ t11.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t70 = np.reshape((np.reshape(t69.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t71 = np.reshape((t70.transpose(0, 2, 3, 4, 1) @ np.reshape(t11.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t72 = np.reshape((np.reshape(t65.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t65.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t73 = t11 * t72
+    t74 = (4/(L**2*d_V**2*n_batch**2)) * (t64 * t62.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t71 * t67.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t55 * t73.transpose(0, 2, 3, 1)).sum()
+    t75 = np.sqrt(np.maximum(t74, 0.0))
+    t76 = t58 @ M_1
+    t77 = (4/(L**2*d_V*n_batch**2)) * (t76.sum((0,)) * t76.sum((0,))).sum()
+    t78 = np.sqrt(np.maximum(t77, 0.0))
+    return (t37, t57, t75, t78,)
 
 
 def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -2761,34 +3153,37 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = np.swapaxes(W_V, -1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t8 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t13 = (np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t14 = (X * t11).transpose(2, 0, 1)
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t9 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdims=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t22 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t23 = oe.contract('abc,acb->bac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t24 = (1/n_batch) * t1
+    t25 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t26 = (X * t24.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -2806,27 +3201,33 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = np.swapaxes(W_V, -1, -2)
-    t8 = W_V @ t7
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t7 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = np.swapaxes(W_V, -1, -2)
+    t9 = W_V @ t8
+    t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t11 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t12 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t9.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t8 @ t0
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t12 * t10).sum() + (1/n_batch) * oe.contract('ab,abcc->', t22, M_3)
 
 
 def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -2845,39 +3246,42 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = np.swapaxes(W_V, -1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abef->dfab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abd->cdab', t10, X, optimize=[(0, 1)])
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t8 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t13 = ((t12.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t9 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdims=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t24 = np.reshape(t11, t11.shape[:2] + (-1,))
-    t25 = np.reshape(t22, t22.shape[:2] + (-1,))
-    t26 = np.concatenate([t24, t25], axis=-1)
-    t27 = np.reshape(t12, t12.shape[:2] + (-1,))
-    t28 = np.reshape(t23, t23.shape[:2] + (-1,))
+    M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t24 = (1/n_batch) * t1
+    t25 = M_3.transpose(2, 3, 0, 1)
+    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = np.reshape(t13, t13.shape[:2] + (-1,))
+    t28 = np.reshape(t25, t25.shape[:2] + (-1,))
     t29 = np.concatenate([t27, t28], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t26, t29, optimize=[(0, 1)])
+    t30 = np.reshape(t14, t14.shape[:2] + (-1,))
+    t31 = np.reshape(t26, t26.shape[:2] + (-1,))
+    t32 = np.concatenate([t30, t31], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t29, t32, optimize=[(0, 1)])
     return out
 
 
@@ -2895,29 +3299,44 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t7 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t10 = (t9.transpose(1, 2, 0) @ t0)
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = np.reshape((t10.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t14 = (t13.transpose(0, 2, 3, 1) @ dA)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t11.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = A @ X
+    M_1 = t18
+    t19 = M_1 @ W_V
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = t7 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t11 * t26
+    t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t26.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t11 * t31
+    t33 = np.reshape((np.reshape(t31.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33, (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t36 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t30 * t11.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t35 * t32.transpose(0, 2, 3, 1)).sum()
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return t37
 
 
 def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -2936,24 +3355,25 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/n_batch) * X
-    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = A @ X
+    M_1 = t9
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/n_batch) * X
+    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2971,19 +3391,37 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    return t12
+    t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t8, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21, (n_batch, n_batch, L**2, L)) @ t9.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t24 = np.reshape((t23.transpose(0, 2, 3, 4, 1) @ np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t25 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t26 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = t26 * t9
+    t28 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t29 = np.reshape((np.reshape(t28, (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t24 * t20.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t30 * t27.transpose(0, 2, 3, 1)).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return t32
 
 
 def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -3006,7 +3444,7 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9, optimize=[(0,)])
+    t12 = oe.contract('abb->b', t9)
     t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -3027,7 +3465,7 @@ def mse_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t8, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t8)
 
 
 def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -3050,23 +3488,24 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (2/(L*d_V*n_batch)) * t8
-    t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = np.swapaxes(G, -1, -2)
-    t18 = (1/n_batch) * t17
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t12 = (2/(L*d_V*n_batch)) * t8
+    t13 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = (1/n_batch) * t18
+    t20 = M_2.transpose(2, 3, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3088,18 +3527,36 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = np.swapaxes(G, -1, -2)
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t13, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
+    t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t13.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t21.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24, (n_batch, n_batch, L**2, L)) @ t12.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t27 = np.reshape((t26.transpose(0, 2, 3, 4, 1) @ np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t28 = np.reshape((np.reshape(t21.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t21.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t12 * t28
+    t31 = np.reshape((np.reshape(t29.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31, (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t14.transpose(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t33 * t30.transpose(0, 2, 3, 1)).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return t35
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -3124,7 +3581,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t13 = t10.sum((0,))
     t1 += oe.contract('ab,c->acb', t13, t12, optimize=[(0, 1)])
     return out
 
@@ -3145,7 +3602,7 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
-    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
     t10 = np.sqrt(np.maximum(t9, 0.0))
     return t10
 
@@ -3164,34 +3621,49 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = t7 @ t0
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t10 = (t9.transpose(1, 2, 0) @ t0)
+    t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = np.reshape((t10.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, L, L, L))
+    t14 = (t13.transpose(0, 2, 3, 1) @ dA)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t11.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
+    t19 = A @ X
+    M_1 = t19
+    t20 = M_1 @ W_V
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = t7 @ t0
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = t9 + t18 + t19
-    t21 = np.sqrt(np.maximum(t9, 0.0))
-    t22 = np.sqrt(np.maximum(t18, 0.0))
-    t23 = np.sqrt(np.maximum(t20, 0.0))
-    return (t21, t22, t23,)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = t11 * t27
+    t29 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29, (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t32 = (n_batch**(-2)) * (t31 * t28.transpose(0, 2, 3, 1)).sum()
+    t33 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t11 * t33
+    t35 = np.reshape((np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t33.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t37 = np.reshape((np.reshape(t36.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t38 = (4/(L*d_V*n_batch**2)) * (t37 * t11.transpose(2, 0, 1, 3)).sum()
+    t39 = t18 + t32 + t38
+    t40 = np.sqrt(np.maximum(t18, 0.0))
+    t41 = np.sqrt(np.maximum(t32, 0.0))
+    t42 = np.sqrt(np.maximum(t39, 0.0))
+    return (t40, t41, t42,)
 
 
 def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -3208,24 +3680,42 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
-    t14 = t8 + t12 + t13
-    t15 = np.sqrt(np.maximum(t8, 0.0))
-    t16 = np.sqrt(np.maximum(t12, 0.0))
-    t17 = np.sqrt(np.maximum(t14, 0.0))
-    return (t15, t16, t17,)
+    t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(t8, (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t15 = np.reshape((np.reshape(t14.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.transpose(0, 2, 3, 1)).sum()
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = t21 * t9
+    t23 = np.reshape((np.reshape(t20.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23, (n_batch, n_batch, L**2, L)) @ t9.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t26 = (n_batch**(-2)) * (t25 * t22.transpose(0, 2, 3, 1)).sum()
+    t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29, (n_batch, n_batch, L**2, L)) @ t9.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t32 = np.reshape((t31.transpose(0, 2, 3, 4, 1) @ np.reshape(t9.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t33 = (4/(L*d_V*n_batch**2)) * (t32 * t28.transpose(0, 2, 3, 1)).sum()
+    t34 = t16 + t26 + t33
+    t35 = np.sqrt(np.maximum(t16, 0.0))
+    t36 = np.sqrt(np.maximum(t26, 0.0))
+    t37 = np.sqrt(np.maximum(t34, 0.0))
+    return (t35, t36, t37,)
 
 
 def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -3246,23 +3736,41 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t14, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t17 = t10 + t15 + t16
-    t18 = np.sqrt(np.maximum(t10, 0.0))
-    t19 = np.sqrt(np.maximum(t15, 0.0))
-    t20 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, t19, t20,)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
+    t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t13.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t17 = np.reshape((np.reshape(t16.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t14.transpose(0, 2, 3, 1)).sum()
+    t19 = M_1 @ W_V
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t22.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t12 * t23
+    t26 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t27 = np.reshape((np.reshape(t26, (n_batch, n_batch, L**2, L)) @ t12.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = (n_batch**(-2)) * (t28 * t25.transpose(0, 2, 3, 1)).sum()
+    t30 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t22.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t30.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32, (n_batch, n_batch, L**2, L)) @ t12.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33.transpose(1, 2, 0, 3, 4), (n_batch, L, L*n_batch, L)) @ dA.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, L))
+    t35 = np.reshape((t34.transpose(0, 2, 3, 4, 1) @ np.reshape(t12.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1))), (n_batch, n_batch, L, L))
+    t36 = (4/(L*d_V*n_batch**2)) * (t35 * t31.transpose(0, 2, 3, 1)).sum()
+    t37 = t18 + t29 + t36
+    t38 = np.sqrt(np.maximum(t18, 0.0))
+    t39 = np.sqrt(np.maximum(t29, 0.0))
+    t40 = np.sqrt(np.maximum(t37, 0.0))
+    return (t38, t39, t40,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -3281,7 +3789,7 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
-    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
     t10 = t9 + 0.0 + 0.0
     t11 = np.sqrt(np.maximum(t9, 0.0))
     t12 = np.sqrt(np.maximum(t10, 0.0))
@@ -3303,9 +3811,15 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t6 = np.where(t5, -math.inf, t4)
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t8 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t8, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
+    t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
+    t10 = np.reshape((np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t8), (n_batch, d_V, L, d_V))
+    t2[...] = (np.reshape((np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t11 = -A
+    t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
+    t14 = (np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += (np.reshape((np.reshape(t14, (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
     return out
 
 
@@ -3324,9 +3838,15 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t6 = np.where(t5, -math.inf, t4)
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t8 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t8, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
+    t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
+    t10 = np.reshape((np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t8), (n_batch, d_V, L, d_V))
+    t2[...] = (np.reshape((np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t11 = -A
+    t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
+    t14 = (np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += (np.reshape((np.reshape(t14, (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
     return (J,)
 
 
@@ -3439,41 +3959,46 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdims=True)
+    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t8, dA14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.swapaxes(M_1, -1, -2)
-    t26 = (1/(L*n_batch)) * t25
-    t27 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
-    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = oe.contract('abc,abcd->cdab', t8, dA14, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t26, M_1, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t19 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
+    t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t22 = ((t21 @ t20)).transpose(3, 2, 0, 1)
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t26 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t27 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t30 = np.swapaxes(M_1, -1, -2)
+    t31 = (1/(L*n_batch)) * t30
+    t32 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
+    t36 = (np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
     return H
 
 
@@ -3529,9 +4054,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -3541,18 +4064,47 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t18, t6, dA12, t13, M_2, X, t18, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t18, t6, dA12, M_1, t18, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return (t15, t17, t20, t22,)
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((t15.transpose(1, 2, 0) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18, (n_batch, L**2, d_V)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA)
+    t21 = (t20.transpose(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.transpose(0, 2, 3, 1) @ dA)
+    t24 = np.reshape((t17 @ np.reshape(t23.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t25 = (t24.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * t22.transpose(0, 2, 3, 1)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t32 = (t31 @ dA)
+    t33 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t33 * t16
+    t35 = np.reshape((np.reshape(t32, (n_batch, L*d_V, L)) @ np.reshape(t16, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t36 = np.reshape((np.reshape(t35.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t32.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t37 = (1/(L**2*n_batch**2)) * (t36 * t34.transpose(2, 0, 1, 3)).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    t39 = np.swapaxes(M_1, -1, -2)
+    t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t39.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = np.reshape((t17 @ np.reshape(t14.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t42 = (t41.transpose(0, 2, 3, 1) @ dA)
+    t43 = t16 * t40
+    t44 = np.reshape((np.reshape(t42, (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t45 = np.reshape((np.reshape(t44.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t42.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t46 = (1/(L**2*n_batch**2)) * (t45 * t43.transpose(0, 2, 3, 1)).sum()
+    t47 = np.sqrt(np.maximum(t46, 0.0))
+    t48 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t49 = t48 * t40
+    t50 = (1/(L**2*n_batch**2)) * (t49 * t33).sum()
+    t51 = np.sqrt(np.maximum(t50, 0.0))
+    return (t30, t38, t47, t51,)
 
 
 def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -3569,24 +4121,29 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
+    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t22 = (X * t16).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3602,21 +4159,28 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdims=True)
-    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A10 = t9 / t9.sum(-1, keepdims=True)
-    t11 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t6 = Y.sum(-1, keepdims=True)
+    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A11 = t10 / t10.sum(-1, keepdims=True)
+    t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)])
+    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t16 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t17 = np.reshape((np.reshape(dA13, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t17, (L*d_V*n_batch, d_V)) @ t14), (n_batch, L, d_V, d_V))
+    t19 = (t18 @ t16)
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t15).sum()
 
 
 def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -3633,24 +4197,29 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
+    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t21 = ((t20 @ t19)).transpose(3, 2, 0, 1)
+    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3666,9 +4235,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -3678,11 +4245,26 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((t15.transpose(1, 2, 0) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18, (n_batch, L**2, d_V)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA)
+    t21 = (t20.transpose(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.transpose(0, 2, 3, 1) @ dA)
+    t24 = np.reshape((t17 @ np.reshape(t23.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t25 = (t24.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * t22.transpose(0, 2, 3, 1)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -3699,23 +4281,26 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = (1/(L*n_batch)) * X
-    t15 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t7, dA13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t14, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = ((t17.transpose(0, 1, 3, 2) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -3731,9 +4316,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -3743,10 +4326,19 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t16 = (t15 @ dA)
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t16, (n_batch, L*d_V, L)) @ np.reshape(t17, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t22 = (1/(L**2*n_batch**2)) * (t21 * t19.transpose(2, 0, 1, 3)).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -3771,10 +4363,10 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcc->cab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, M_1, optimize=[(0, 1)])
+    t14 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
+    t15 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -3799,8 +4391,10 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t5, t7, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t13 = oe.contract('abcc,abc->ab', dA, t7)
+    return (1/(L*n_batch)) * (t13 * t12).sum()
 
 
 def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -3825,17 +4419,20 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA15 = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(dA15.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA15, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/(L*n_batch)) * t6
-    t17 = oe.contract('abc,abcd,de,abef->cfab', t8, dA, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t17 = (1/(L*n_batch)) * t6
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t20 = ((t19 @ t18.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3859,16 +4456,23 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA14, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t5, t7, dA, t12, M_2, X, t5, t7, dA, t12, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((t17 @ np.reshape(t15.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA14)
+    t21 = t18 * t16
+    t22 = np.reshape((np.reshape(t20, (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.transpose(0, 2, 3, 1)).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -3893,10 +4497,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t14 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -3921,10 +4525,15 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
@@ -3959,32 +4568,34 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t2
-    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t22 = (1/n_batch) * t2
+    t23 = M_3.transpose(2, 3, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t27 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/n_batch) * X
-    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = np.swapaxes(G, -1, -2)
-    t32 = (1/n_batch) * t31
-    t33 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t35[...] = 0
+    M_2 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t28 = (1/n_batch) * X
+    t29 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = M_2.transpose(3, 2, 0, 1)
+    t26[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
+    t33 = np.swapaxes(G, -1, -2)
+    t34 = (1/n_batch) * t33
+    t35 = M_2.transpose(2, 3, 0, 1)
+    t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t37[...] = 0
     return H
 
 
@@ -4062,21 +4673,30 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t25 = (n_batch**(-2)) * (t24 * t21.transpose(0, 2, 3, 1)).sum()
+    t26 = np.sqrt(np.maximum(t25, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    return (t20, t22, t25, 0.0,)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t27 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = t27 * t20
+    t29 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t32 = (n_batch**(-2)) * (t31 * t28.transpose(0, 2, 3, 1)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t20 * t35
+    t37 = (n_batch**(-2)) * (t31 * t36.transpose(0, 2, 3, 1)).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    return (t26, t33, t38, 0.0,)
 
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -4110,13 +4730,14 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t21 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t21 = (1/n_batch) * t1
+    t22 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t23 = (X * t21.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4149,10 +4770,12 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t20, M_3)
 
 
 def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -4186,13 +4809,14 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t21 = (1/n_batch) * t1
+    t22 = M_3.transpose(2, 3, 0, 1)
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4225,12 +4849,16 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = np.sqrt(np.maximum(t19, 0.0))
-    return t20
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t25 = (n_batch**(-2)) * (t24 * t21.transpose(0, 2, 3, 1)).sum()
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -4247,25 +4875,26 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = np.exp(F - F.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = t7 * A11
-    t13 = t12 - Y
-    t14 = (1/L) * t13
-    G = t14
-    t15 = (1/n_batch) * X
-    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = np.exp(F - F.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = t8 * A12
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = (1/n_batch) * X
+    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4281,9 +4910,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4296,9 +4923,16 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t12 = t11 - Y
     t13 = (1/L) * t12
     G = t13
-    t14 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t19 = np.reshape((np.reshape(t18, (n_batch, n_batch, L**2, L)) @ t15.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t21 = (n_batch**(-2)) * (t20 * t17.transpose(0, 2, 3, 1)).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -4346,13 +4980,14 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t14
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t17 = (1/n_batch) * t14
+    t18 = M_2.transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4381,12 +5016,17 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t22 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum()
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -4422,74 +5062,80 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdims=True)
+    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
-    F = t10
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t8 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = t15 @ t2
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t19 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
+    t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t22 = ((t21 @ t20)).transpose(3, 2, 0, 1)
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    F = t11
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t9 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t16 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdims=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/n_batch) * t2
-    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
-    t31 = np.reshape(t17, t17.shape[:2] + (-1,))
-    t32 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t33 = np.concatenate([t31, t32], axis=-1)
-    t34 = np.reshape(t18, t18.shape[:2] + (-1,))
-    t35 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t36 = np.concatenate([t34, t35], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t33, t36, optimize=[(0, 1)])
-    t37 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_V), copy=False)
-    t39 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t8, dA14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t40 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    t41 = (1/n_batch) * X
-    t42 = oe.contract('abc,abd->cdab', t41, G, optimize=[(0, 1)])
-    t43 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t38[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
-    t46 = np.swapaxes(G, -1, -2)
-    t47 = (1/n_batch) * t46
-    t48 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t49 = oe.contract('abc,acd->bdac', t47, X, optimize=[(0, 1)])
-    t50 = np.swapaxes(M_1, -1, -2)
-    t51 = (1/(L*n_batch)) * t50
-    t52 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abc,acd->bdac', t51, X, optimize=[(0, 1)])
-    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t45 += oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_V), copy=False)
-    t56 = oe.contract('abc,abcd->cdab', t8, dA14, optimize=[(0, 1)])
-    t57 = oe.contract('abc,acd->bdac', t51, M_1, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t34 = (1/n_batch) * t2
+    t35 = M_3.transpose(2, 3, 0, 1)
+    t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t37 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t38 = np.reshape(t35, t35.shape[:2] + (-1,))
+    t39 = np.concatenate([t37, t38], axis=-1)
+    t40 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t41 = np.reshape(t36, t36.shape[:2] + (-1,))
+    t42 = np.concatenate([t40, t41], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t39, t42, optimize=[(0, 1)])
+    t43 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
+    t45 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t46 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t47 = (1/n_batch) * X
+    t48 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t47, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t49 = M_2.transpose(3, 2, 0, 1)
+    t44[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t44 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
+    t52 = np.swapaxes(G, -1, -2)
+    t53 = (1/n_batch) * t52
+    t54 = M_2.transpose(2, 3, 0, 1)
+    t55 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t56 = np.swapaxes(M_1, -1, -2)
+    t57 = (1/(L*n_batch)) * t56
+    t58 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t59 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t51[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t51 += oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t61 = np.reshape(t60, (d_V, d_V, d_V, d_V), copy=False)
+    t62 = (np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
     return H
 
 
@@ -4563,9 +5209,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4575,34 +5219,90 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(W_V, -1, -2)
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((t15.transpose(1, 2, 0) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18, (n_batch, L**2, d_V)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA)
+    t21 = (t20.transpose(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.transpose(0, 2, 3, 1) @ dA)
+    t24 = np.reshape((t17 @ np.reshape(t23.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t25 = (t24.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = t13 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t6 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t13 @ t0
+    t35 = G @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdims=True)
+    t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = np.swapaxes(M_1, -1, -2)
-    t29 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t27, M_2, X, t27, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t27, M_2, X, t28, t6, dA12, t13, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t28, t6, dA12, t13, M_2, X, t28, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t28, t6, dA12, M_1, t28, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t32 = np.sqrt(np.maximum(t31, 0.0))
-    return (t24, t26, t30, t32,)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = t16 * t38
+    t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t41 = np.reshape((np.reshape(t40, (n_batch, n_batch, L**2, L)) @ t16.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t42 = np.reshape((np.reshape(t41.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t43 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t44 = t16 * t43
+    t45 = np.reshape((np.reshape(t43.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t46 = np.reshape((np.reshape(t45, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t47 = np.reshape((np.reshape(t46.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t48 = (1/(L**2*n_batch**2)) * (t28 * t22.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t42 * t39.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    t50 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t51 = (t50 @ dA)
+    t52 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t53 = t52 * t16
+    t54 = np.reshape((np.reshape(t51, (n_batch, L*d_V, L)) @ np.reshape(t16, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t55 = np.reshape((np.reshape(t54.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t51.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t56 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t57 = np.reshape((t15.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t58 = (t57.transpose(0, 2, 3, 1) @ t14)
+    t59 = np.reshape((np.reshape(t58, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t60 = np.reshape((np.reshape(t59.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t61 = np.reshape((np.reshape(t60.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t62 = np.reshape((np.reshape(t61.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t63 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t64 = t63 * t16
+    t65 = np.reshape((np.reshape(t43.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t66 = np.reshape((np.reshape(t65, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t67 = np.reshape((np.reshape(t66.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t68 = (1/(L**2*n_batch**2)) * (t55 * t53.transpose(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t62 * t56.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t67 * t64.transpose(0, 2, 3, 1)).sum()
+    t69 = np.sqrt(np.maximum(t68, 0.0))
+    t70 = np.swapaxes(G, -1, -2)
+    t71 = np.reshape((np.reshape(t70.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t70.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t72 = t16 * t71
+    t73 = np.swapaxes(M_1, -1, -2)
+    t74 = np.reshape((np.reshape(t73.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t75 = np.reshape((np.reshape(t74.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t76 = np.reshape((t17 @ np.reshape(t14.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t77 = (t76.transpose(0, 2, 3, 1) @ dA)
+    t78 = np.reshape((np.reshape(t75, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t79 = np.reshape((np.reshape(t78, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t80 = np.reshape((np.reshape(t79.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t77.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    t81 = np.reshape((np.reshape(t73.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t73.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t82 = t16 * t81
+    t83 = np.reshape((np.reshape(t77, (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t84 = np.reshape((np.reshape(t83.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t77.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t85 = (n_batch**(-2)) * (t67 * t72.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t80 * t70.transpose(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t84 * t82.transpose(0, 2, 3, 1)).sum()
+    t86 = np.sqrt(np.maximum(t85, 0.0))
+    t87 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t88 = t87 * t81
+    t89 = (1/(L**2*n_batch**2)) * (t88 * t52).sum()
+    t90 = np.sqrt(np.maximum(t89, 0.0))
+    return (t49, t69, t86, t90,)
 
 
 def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -4619,43 +5319,49 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    F = t9
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t7 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = t14 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdims=True)
-    t26 = A * t25
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
+    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t22 = (X * t16).transpose(2, 0, 1)
+    F = t10
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t8 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t15 @ t1
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdims=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/n_batch) * t1
-    t28 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t29 = oe.contract('abc,acb->bac', t27, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t33 = (1/n_batch) * t1
+    t34 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t35 = (X * t33.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -4671,36 +5377,45 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdims=True)
-    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A10 = t9 / t9.sum(-1, keepdims=True)
-    t11 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t6 = Y.sum(-1, keepdims=True)
+    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A11 = t10 / t10.sum(-1, keepdims=True)
+    t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = np.swapaxes(W_V, -1, -2)
-    F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = t13 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
+    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t16 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t17 = np.reshape((np.reshape(dA13, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t17, (L*d_V*n_batch, d_V)) @ t14), (n_batch, L, d_V, d_V))
+    t19 = (t18 @ t16)
+    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    F = t9
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t7 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t14 @ t0
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdims=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t31 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t15).sum() + (1/n_batch) * oe.contract('ab,abcc->', t31, M_3)
 
 
 def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -4717,48 +5432,54 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = np.swapaxes(W_V, -1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
-    F = t9
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t7 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = t14 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdims=True)
-    t26 = A * t25
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
+    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t21 = ((t20 @ t19)).transpose(3, 2, 0, 1)
+    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    F = t10
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t8 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t15 @ t1
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdims=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/n_batch) * t1
-    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t30 = np.reshape(t16, t16.shape[:2] + (-1,))
-    t31 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t32 = np.concatenate([t30, t31], axis=-1)
-    t33 = np.reshape(t17, t17.shape[:2] + (-1,))
-    t34 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t35 = np.concatenate([t33, t34], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t32, t35, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t33 = (1/n_batch) * t1
+    t34 = M_3.transpose(2, 3, 0, 1)
+    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = np.reshape(t21, t21.shape[:2] + (-1,))
+    t37 = np.reshape(t34, t34.shape[:2] + (-1,))
+    t38 = np.concatenate([t36, t37], axis=-1)
+    t39 = np.reshape(t22, t22.shape[:2] + (-1,))
+    t40 = np.reshape(t35, t35.shape[:2] + (-1,))
+    t41 = np.concatenate([t39, t40], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
     return out
 
 
@@ -4774,9 +5495,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4786,26 +5505,49 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(W_V, -1, -2)
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((t15.transpose(1, 2, 0) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18, (n_batch, L**2, d_V)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA)
+    t21 = (t20.transpose(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.transpose(0, 2, 3, 1) @ dA)
+    t24 = np.reshape((t17 @ np.reshape(t23.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t25 = (t24.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = t13 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t6 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t13 @ t0
+    t35 = G @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdims=True)
+    t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = t16 * t38
+    t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t41 = np.reshape((np.reshape(t40, (n_batch, n_batch, L**2, L)) @ t16.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t42 = np.reshape((np.reshape(t41.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t43 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t44 = t16 * t43
+    t45 = np.reshape((np.reshape(t43.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t46 = np.reshape((np.reshape(t45, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t47 = np.reshape((np.reshape(t46.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t48 = (1/(L**2*n_batch**2)) * (t28 * t22.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t42 * t39.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    return t49
 
 
 def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -4822,34 +5564,37 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = (1/(L*n_batch)) * X
-    t15 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t7, dA13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t14, M_1, optimize=[(0, 1)])
-    F = t9
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t7 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = (1/n_batch) * X
-    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
-    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = ((t17.transpose(0, 1, 3, 2) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    F = t10
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t8 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/n_batch) * X
+    t26 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4865,9 +5610,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4877,17 +5620,39 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t16 = (t15 @ dA)
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t16, (n_batch, L*d_V, L)) @ np.reshape(t17, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t8
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t6 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return t19
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t6 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = np.reshape((t13.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t29 = (t28.transpose(0, 2, 3, 1) @ t14)
+    t30 = np.reshape((np.reshape(t29, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t31 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t32 = np.reshape((np.reshape(t31.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t35 * t17
+    t37 = np.reshape((np.reshape(t34.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t38 = np.reshape((np.reshape(t37, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t39 = np.reshape((np.reshape(t38.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t40 = (1/(L**2*n_batch**2)) * (t21 * t19.transpose(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t33 * t27.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t39 * t36.transpose(0, 2, 3, 1)).sum()
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    return t41
 
 
 def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -4912,10 +5677,10 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcc->cab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, M_1, optimize=[(0, 1)])
+    t14 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
+    t15 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -4940,8 +5705,10 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t5, t7, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t13 = oe.contract('abcc,abc->ab', dA, t7)
+    return (1/(L*n_batch)) * (t13 * t12).sum()
 
 
 def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -4971,24 +5738,27 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t14
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t17 = (1/n_batch) * t14
+    t18 = M_2.transpose(2, 3, 0, 1)
+    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = np.swapaxes(M_1, -1, -2)
+    t21 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = (1/(L*n_batch)) * t19
-    t26 = oe.contract('abc,abcd,de,abef->cfab', t2, dA23, t24, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = oe.contract('abc,acd->bdac', t25, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    dA24 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = (1/(L*n_batch)) * t20
+    t27 = np.reshape((np.reshape(dA24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t28 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t29 = ((t28 @ t27.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -5017,19 +5787,37 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t15 = np.swapaxes(M_1, -1, -2)
-    t16 = np.exp(t7 - t7.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = np.eye(d_V, dtype=X.dtype)
+    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t20 = np.reshape((np.reshape(t19, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t13, M_2, X, t15, t1, dA19, t20, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t15, t1, dA19, t20, M_2, X, t15, t1, dA19, t20, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t27 = np.swapaxes(W_V, -1, -2)
+    t28 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V))
+    t31 = np.reshape((np.reshape(t29.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((t30 @ np.reshape(t28.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t33 = (t32.transpose(0, 2, 3, 1) @ dA)
+    t34 = np.reshape((np.reshape(t31, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t17.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t36 = np.reshape((np.reshape(t35.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t33.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    t37 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t22.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t17 * t37
+    t39 = np.reshape((np.reshape(t33, (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t40 = np.reshape((np.reshape(t39.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t33.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t41 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t36 * t13.transpose(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t40 * t38.transpose(0, 2, 3, 1)).sum()
+    t42 = np.sqrt(np.maximum(t41, 0.0))
+    return t42
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -5054,10 +5842,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t14 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -5082,10 +5870,15 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
@@ -5100,9 +5893,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5112,31 +5903,54 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((t15.transpose(1, 2, 0) @ np.reshape(t14.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18, (n_batch, L**2, d_V)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA)
+    t21 = (t20.transpose(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.transpose(0, 2, 3, 1) @ dA)
+    t24 = np.reshape((t17 @ np.reshape(t23.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t25 = (t24.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * t22.transpose(0, 2, 3, 1)).sum()
     F = t8
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t6 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = t13 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t30 = np.exp(F - F.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t6 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = t13 @ t0
+    t36 = G @ t35
+    t37 = t36 - (A * t36).sum(-1, keepdims=True)
+    t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = t14 + t24 + t25
-    t27 = np.sqrt(np.maximum(t14, 0.0))
-    t28 = np.sqrt(np.maximum(t24, 0.0))
-    t29 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27, t28, t29,)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t39 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = t16 * t39
+    t41 = np.reshape((np.reshape(t39.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t42 = np.reshape((np.reshape(t41, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t43 = np.reshape((np.reshape(t42.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t44 = (n_batch**(-2)) * (t43 * t40.transpose(0, 2, 3, 1)).sum()
+    t45 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t46 = t16 * t45
+    t47 = np.reshape((np.reshape(t45.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t48 = np.reshape((np.reshape(t47, (n_batch, n_batch, L**2, L)) @ t16.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t49 = np.reshape((np.reshape(t48.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t50 = (2/(L*n_batch**2)) * (t49 * t46.transpose(2, 0, 1, 3)).sum()
+    t51 = t29 + t44 + t50
+    t52 = np.sqrt(np.maximum(t29, 0.0))
+    t53 = np.sqrt(np.maximum(t44, 0.0))
+    t54 = np.sqrt(np.maximum(t51, 0.0))
+    return (t52, t53, t54,)
 
 
 def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -5151,9 +5965,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5163,22 +5975,44 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t16 = (t15 @ dA)
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t16, (n_batch, L*d_V, L)) @ np.reshape(t17, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t22 = (1/(L**2*n_batch**2)) * (t21 * t19.transpose(2, 0, 1, 3)).sum()
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = t13 + t19 + t20
-    t22 = np.sqrt(np.maximum(t13, 0.0))
-    t23 = np.sqrt(np.maximum(t19, 0.0))
-    t24 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, t23, t24,)
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t6 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t29 * t17
+    t31 = np.reshape((np.reshape(t28.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = (n_batch**(-2)) * (t33 * t30.transpose(0, 2, 3, 1)).sum()
+    t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = np.reshape((t13.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t37 = (t36.transpose(0, 2, 3, 1) @ t14)
+    t38 = np.reshape((np.reshape(t37, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t41 = np.reshape((np.reshape(t40.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t42 = (2/(L*n_batch**2)) * (t41 * t35.transpose(0, 2, 3, 1)).sum()
+    t43 = t22 + t34 + t42
+    t44 = np.sqrt(np.maximum(t22, 0.0))
+    t45 = np.sqrt(np.maximum(t34, 0.0))
+    t46 = np.sqrt(np.maximum(t43, 0.0))
+    return (t44, t45, t46,)
 
 
 def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -5201,29 +6035,49 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA14, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t5, t7, dA, t12, M_2, X, t5, t7, dA, t12, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((t17 @ np.reshape(t15.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = (t19.transpose(0, 2, 3, 1) @ dA14)
+    t21 = t18 * t16
+    t22 = np.reshape((np.reshape(t20, (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.transpose(0, 2, 3, 1)).sum()
     F = t8
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t7 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t5, t7, dA, t12, M_2, X, t21, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t24 = t15 + t22 + t23
-    t25 = np.sqrt(np.maximum(t15, 0.0))
-    t26 = np.sqrt(np.maximum(t22, 0.0))
-    t27 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, t26, t27,)
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t7 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t30.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t33 = t18 * t31
+    t34 = np.reshape((np.reshape(t32.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA14.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t36 = np.reshape((np.reshape(t35.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA14.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t37 = (n_batch**(-2)) * (t36 * t33.transpose(0, 2, 3, 1)).sum()
+    t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t39 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA14.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t40 = (t39.transpose(0, 2, 3, 1) @ t15.transpose(0, 1, 3, 2))
+    t41 = np.reshape((np.reshape(t40, (L**2*n_batch, d_V)) @ np.reshape(t30.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t42 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t43 = np.reshape((np.reshape(t42.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t44 = np.reshape((np.reshape(t43.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA14.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t45 = (2/(L*n_batch**2)) * (t44 * t38.transpose(0, 2, 3, 1)).sum()
+    t46 = t24 + t37 + t45
+    t47 = np.sqrt(np.maximum(t24, 0.0))
+    t48 = np.sqrt(np.maximum(t37, 0.0))
+    t49 = np.sqrt(np.maximum(t46, 0.0))
+    return (t47, t48, t49,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -5246,12 +6100,17 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t13 = t12 + 0.0 + 0.0
-    t14 = np.sqrt(np.maximum(t12, 0.0))
-    t15 = np.sqrt(np.maximum(t13, 0.0))
-    return (t14, 0.0, t15,)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
+    t18 = t17 + 0.0 + 0.0
+    t19 = np.sqrt(np.maximum(t17, 0.0))
+    t20 = np.sqrt(np.maximum(t18, 0.0))
+    return (t19, 0.0, t20,)
 
 
 def ce_causal1__loss(X, W_QK, W_V, Y):
@@ -5329,41 +6188,46 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t10 = Y.sum(-1, keepdims=True)
+    t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = (1/(L*n_batch)) * X
-    t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t23 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t10, dA16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = oe.contract('abc,abd->cdab', t18, M_1, optimize=[(0, 1)])
-    t22[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.swapaxes(M_1, -1, -2)
-    t28 = (1/(L*n_batch)) * t27
-    t29 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
-    t33 = oe.contract('abc,abcd->cdab', t10, dA16, optimize=[(0, 1)])
-    t34 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t18 = np.swapaxes(W_V, -1, -2)
+    t19 = (1/(L*n_batch)) * X
+    t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
+    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t24 = ((t23 @ t22)).transpose(3, 2, 0, 1)
+    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    t28 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t29 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
+    t32 = np.swapaxes(M_1, -1, -2)
+    t33 = (1/(L*n_batch)) * t32
+    t34 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
+    t38 = (np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t39 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t37[...] = oe.contract('abcd,efcd->eafb', t38, t39, optimize=[(0, 1)])
     return H
 
 
@@ -5423,9 +6287,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -5435,18 +6297,47 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    t20 = np.swapaxes(M_1, -1, -2)
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t20, t8, dA14, t15, M_2, X, t20, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t8, dA14, M_1, t20, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return (t17, t19, t22, t24,)
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L**2, d_V)) @ t19.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    t23 = (t22.transpose(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((t19 @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t27 = (t26.transpose(0, 2, 3, 1) @ dA)
+    t28 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (1/(L**2*n_batch**2)) * (t30 * t24.transpose(0, 2, 3, 1)).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t34 = (t33 @ dA)
+    t35 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t35 * t18
+    t37 = np.reshape((np.reshape(t34, (n_batch, L*d_V, L)) @ np.reshape(t18, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t38 = np.reshape((np.reshape(t37.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t39 = (1/(L**2*n_batch**2)) * (t38 * t36.transpose(2, 0, 1, 3)).sum()
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    t41 = np.swapaxes(M_1, -1, -2)
+    t42 = np.reshape((np.reshape(t41.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t41.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t43 = np.reshape((t19 @ np.reshape(t16.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t44 = (t43.transpose(0, 2, 3, 1) @ dA)
+    t45 = t18 * t42
+    t46 = np.reshape((np.reshape(t44, (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t47 = np.reshape((np.reshape(t46.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t44.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t48 = (1/(L**2*n_batch**2)) * (t47 * t45.transpose(0, 2, 3, 1)).sum()
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    t50 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t51 = t50 * t42
+    t52 = (1/(L**2*n_batch**2)) * (t51 * t35).sum()
+    t53 = np.sqrt(np.maximum(t52, 0.0))
+    return (t32, t40, t49, t53,)
 
 
 def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -5465,24 +6356,29 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = (np.reshape((np.reshape(t22, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t24 = (X * t18).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5500,21 +6396,28 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdims=True)
+    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)])
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t18 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t19 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = np.reshape((np.reshape(t19, (L*d_V*n_batch, d_V)) @ t16), (n_batch, L, d_V, d_V))
+    t21 = (t20 @ t18)
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t17).sum()
 
 
 def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -5533,24 +6436,29 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21)).transpose(3, 2, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5568,9 +6476,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -5580,11 +6486,26 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L**2, d_V)) @ t19.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    t23 = (t22.transpose(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((t19 @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t27 = (t26.transpose(0, 2, 3, 1) @ dA)
+    t28 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (1/(L**2*n_batch**2)) * (t30 * t24.transpose(0, 2, 3, 1)).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return t32
 
 
 def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -5603,23 +6524,26 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t9, dA15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5637,9 +6561,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -5649,10 +6571,19 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = np.sqrt(np.maximum(t15, 0.0))
-    return t16
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t18 = (t17 @ dA)
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t18, (n_batch, L*d_V, L)) @ np.reshape(t19, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.transpose(2, 0, 1, 3)).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -5679,10 +6610,10 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t17 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -5709,8 +6640,10 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -5737,17 +6670,20 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t18 = np.reshape((np.reshape(dA17.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/(L*n_batch)) * t8
-    t19 = oe.contract('abc,abcd,de,abef->cfab', t10, dA, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t19 = (1/(L*n_batch)) * t8
+    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t22 = ((t21 @ t20.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5773,16 +6709,23 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA16, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t7, t9, dA, t14, M_2, X, t7, t9, dA, t14, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((t19 @ np.reshape(t17.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA16)
+    t23 = t20 * t18
+    t24 = np.reshape((np.reshape(t22, (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t26 = (1/(L**2*n_batch**2)) * (t25 * t23.transpose(0, 2, 3, 1)).sum()
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -5809,10 +6752,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -5839,10 +6782,15 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
@@ -5879,32 +6827,34 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * t2
-    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t24 = (1/n_batch) * t2
+    t25 = M_3.transpose(2, 3, 0, 1)
+    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/n_batch) * X
-    t29 = oe.contract('abc,abd->cdab', t28, G, optimize=[(0, 1)])
-    t30 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t27[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
-    t33 = np.swapaxes(G, -1, -2)
-    t34 = (1/n_batch) * t33
-    t35 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t36 = oe.contract('abc,acd->bdac', t34, X, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t37[...] = 0
+    M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t30 = (1/n_batch) * X
+    t31 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t30, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = M_2.transpose(3, 2, 0, 1)
+    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t34 = np.reshape(t33, (d_V, d_V, d_V, d_V), copy=False)
+    t35 = np.swapaxes(G, -1, -2)
+    t36 = (1/n_batch) * t35
+    t37 = M_2.transpose(2, 3, 0, 1)
+    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t34[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t39[...] = 0
     return H
 
 
@@ -5986,21 +6936,30 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24, (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t25, M_2, X, t25, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return (t22, t24, t27, 0.0,)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = t29 * t22
+    t31 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t32 = np.reshape((np.reshape(t31, (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t33 = np.reshape((np.reshape(t32.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t34 = (n_batch**(-2)) * (t33 * t30.transpose(0, 2, 3, 1)).sum()
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = np.swapaxes(G, -1, -2)
+    t37 = np.reshape((np.reshape(t36.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t36.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t22 * t37
+    t39 = (n_batch**(-2)) * (t33 * t38.transpose(0, 2, 3, 1)).sum()
+    t40 = np.sqrt(np.maximum(t39, 0.0))
+    return (t28, t35, t40, 0.0,)
 
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -6036,13 +6995,14 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t23 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t24 = oe.contract('abc,acb->bac', t22, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * t1
+    t24 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t25 = (X * t23.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -6077,10 +7037,12 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t22, M_3)
 
 
 def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -6116,13 +7078,14 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * t1
+    t24 = M_3.transpose(2, 3, 0, 1)
+    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -6157,12 +7120,16 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24, (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    return t28
 
 
 def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -6181,25 +7148,26 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t9 * A13
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = (1/n_batch) * X
-    t18 = oe.contract('abc,abd->cdab', t17, G, optimize=[(0, 1)])
-    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = np.exp(F - F.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = t10 * A14
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/n_batch) * X
+    t19 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6217,9 +7185,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6232,9 +7198,16 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t14 = t13 - Y
     t15 = (1/L) * t14
     G = t15
-    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t23 = (n_batch**(-2)) * (t22 * t19.transpose(0, 2, 3, 1)).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -6284,13 +7257,14 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t16
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t19 = (1/n_batch) * t16
+    t20 = M_2.transpose(2, 3, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6321,12 +7295,17 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    return t18
+    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = np.reshape((np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t24 = (n_batch**(-2)) * (t23 * t20.transpose(0, 2, 3, 1)).sum()
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -6364,74 +7343,80 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t10 = Y.sum(-1, keepdims=True)
+    t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
-    t17 = np.swapaxes(W_V, -1, -2)
-    t18 = (1/(L*n_batch)) * X
-    t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
-    F = t12
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t10 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t17 @ t2
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdims=True)
-    t29 = A * t28
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t18 = np.swapaxes(W_V, -1, -2)
+    t19 = (1/(L*n_batch)) * X
+    t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
+    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t24 = ((t23 @ t22)).transpose(3, 2, 0, 1)
+    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    F = t13
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t11 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = t18 @ t2
+    t32 = G @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdims=True)
+    t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/n_batch) * t2
-    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
-    t33 = np.reshape(t19, t19.shape[:2] + (-1,))
-    t34 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t35 = np.concatenate([t33, t34], axis=-1)
-    t36 = np.reshape(t20, t20.shape[:2] + (-1,))
-    t37 = np.reshape(t32, t32.shape[:2] + (-1,))
-    t38 = np.concatenate([t36, t37], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
-    t39 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
-    t41 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t10, dA16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = oe.contract('abc,abd->cdab', t18, M_1, optimize=[(0, 1)])
-    t43 = (1/n_batch) * X
-    t44 = oe.contract('abc,abd->cdab', t43, G, optimize=[(0, 1)])
-    t45 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t47 = np.reshape(t46, (d_V, d_V, d_V, d_V), copy=False)
-    t48 = np.swapaxes(G, -1, -2)
-    t49 = (1/n_batch) * t48
-    t50 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t51 = oe.contract('abc,acd->bdac', t49, X, optimize=[(0, 1)])
-    t52 = np.swapaxes(M_1, -1, -2)
-    t53 = (1/(L*n_batch)) * t52
-    t54 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abc,acd->bdac', t53, X, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t47 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t57 = np.reshape(t56, (d_V, d_V, d_V, d_V), copy=False)
-    t58 = oe.contract('abc,abcd->cdab', t10, dA16, optimize=[(0, 1)])
-    t59 = oe.contract('abc,acd->bdac', t53, M_1, optimize=[(0, 1)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t36 = (1/n_batch) * t2
+    t37 = M_3.transpose(2, 3, 0, 1)
+    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t39 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t40 = np.reshape(t37, t37.shape[:2] + (-1,))
+    t41 = np.concatenate([t39, t40], axis=-1)
+    t42 = np.reshape(t25, t25.shape[:2] + (-1,))
+    t43 = np.reshape(t38, t38.shape[:2] + (-1,))
+    t44 = np.concatenate([t42, t43], axis=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t41, t44, optimize=[(0, 1)])
+    t45 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
+    t47 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t48 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t49 = (1/n_batch) * X
+    t50 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t51 = M_2.transpose(3, 2, 0, 1)
+    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t46 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_V), copy=False)
+    t54 = np.swapaxes(G, -1, -2)
+    t55 = (1/n_batch) * t54
+    t56 = M_2.transpose(2, 3, 0, 1)
+    t57 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t58 = np.swapaxes(M_1, -1, -2)
+    t59 = (1/(L*n_batch)) * t58
+    t60 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t53[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t53 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
+    t64 = (np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t65 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
     return H
 
 
@@ -6509,9 +7494,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6521,34 +7504,90 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L**2, d_V)) @ t19.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    t23 = (t22.transpose(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((t19 @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t27 = (t26.transpose(0, 2, 3, 1) @ dA)
+    t28 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     F = t10
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t15 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
+    t31 = np.exp(F - F.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t8 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t15 @ t0
+    t37 = G @ t36
+    t38 = t37 - (A * t37).sum(-1, keepdims=True)
+    t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    t27 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    t29 = np.swapaxes(G, -1, -2)
-    t30 = np.swapaxes(M_1, -1, -2)
-    t31 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t29, M_2, X, t29, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t29, M_2, X, t30, t8, dA14, t15, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t30, t8, dA14, t15, M_2, X, t30, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t32 = np.sqrt(np.maximum(t31, 0.0))
-    t33 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t30, t8, dA14, M_1, t30, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    return (t26, t28, t32, t34,)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = t18 * t40
+    t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t43 = np.reshape((np.reshape(t42, (n_batch, n_batch, L**2, L)) @ t18.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t44 = np.reshape((np.reshape(t43.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t46 = t18 * t45
+    t47 = np.reshape((np.reshape(t45.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t48 = np.reshape((np.reshape(t47, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t49 = np.reshape((np.reshape(t48.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t50 = (1/(L**2*n_batch**2)) * (t30 * t24.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t44 * t41.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t49 * t46.transpose(0, 2, 3, 1)).sum()
+    t51 = np.sqrt(np.maximum(t50, 0.0))
+    t52 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t53 = (t52 @ dA)
+    t54 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t55 = t54 * t18
+    t56 = np.reshape((np.reshape(t53, (n_batch, L*d_V, L)) @ np.reshape(t18, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t57 = np.reshape((np.reshape(t56.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t58 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t59 = np.reshape((t17.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t60 = (t59.transpose(0, 2, 3, 1) @ t16)
+    t61 = np.reshape((np.reshape(t60, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t62 = np.reshape((np.reshape(t61.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t63 = np.reshape((np.reshape(t62.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t64 = np.reshape((np.reshape(t63.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t65 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t66 = t65 * t18
+    t67 = np.reshape((np.reshape(t45.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t68 = np.reshape((np.reshape(t67, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t69 = np.reshape((np.reshape(t68.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t70 = (1/(L**2*n_batch**2)) * (t57 * t55.transpose(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t64 * t58.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t69 * t66.transpose(0, 2, 3, 1)).sum()
+    t71 = np.sqrt(np.maximum(t70, 0.0))
+    t72 = np.swapaxes(G, -1, -2)
+    t73 = np.reshape((np.reshape(t72.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t72.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t74 = t18 * t73
+    t75 = np.swapaxes(M_1, -1, -2)
+    t76 = np.reshape((np.reshape(t75.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t77 = np.reshape((np.reshape(t76.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t78 = np.reshape((t19 @ np.reshape(t16.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t79 = (t78.transpose(0, 2, 3, 1) @ dA)
+    t80 = np.reshape((np.reshape(t77, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t81 = np.reshape((np.reshape(t80, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t82 = np.reshape((np.reshape(t81.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t79.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    t83 = np.reshape((np.reshape(t75.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t75.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t84 = t18 * t83
+    t85 = np.reshape((np.reshape(t79, (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t86 = np.reshape((np.reshape(t85.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t79.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t87 = (n_batch**(-2)) * (t69 * t74.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t82 * t72.transpose(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t86 * t84.transpose(0, 2, 3, 1)).sum()
+    t88 = np.sqrt(np.maximum(t87, 0.0))
+    t89 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t90 = t89 * t83
+    t91 = (1/(L**2*n_batch**2)) * (t90 * t54).sum()
+    t92 = np.sqrt(np.maximum(t91, 0.0))
+    return (t51, t71, t88, t92,)
 
 
 def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -6567,43 +7606,49 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    F = t11
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t16 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdims=True)
-    t28 = A * t27
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = (np.reshape((np.reshape(t22, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t24 = (X * t18).transpose(2, 0, 1)
+    F = t12
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t10 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = t17 @ t1
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdims=True)
+    t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/n_batch) * t1
-    t30 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t31 = oe.contract('abc,acb->bac', t29, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t35 = (1/n_batch) * t1
+    t36 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t37 = (X * t35.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -6621,36 +7666,45 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdims=True)
+    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = np.swapaxes(W_V, -1, -2)
-    F = t10
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t15 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t18 = (M_2 @ M_2.transpose(0, 1, 3, 2))
+    t19 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = np.reshape((np.reshape(t19, (L*d_V*n_batch, d_V)) @ t16), (n_batch, L, d_V, d_V))
+    t21 = (t20 @ t18)
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
+    F = t11
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t9 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t16 @ t0
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdims=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t33 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t17).sum() + (1/n_batch) * oe.contract('ab,abcc->', t33, M_3)
 
 
 def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -6669,48 +7723,54 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
-    F = t11
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t16 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdims=True)
-    t28 = A * t27
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21)).transpose(3, 2, 0, 1)
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    F = t12
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t10 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = t17 @ t1
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdims=True)
+    t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/n_batch) * t1
-    t30 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
-    t32 = np.reshape(t18, t18.shape[:2] + (-1,))
-    t33 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t34 = np.concatenate([t32, t33], axis=-1)
-    t35 = np.reshape(t19, t19.shape[:2] + (-1,))
-    t36 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t37 = np.concatenate([t35, t36], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t35 = (1/n_batch) * t1
+    t36 = M_3.transpose(2, 3, 0, 1)
+    t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = np.reshape(t23, t23.shape[:2] + (-1,))
+    t39 = np.reshape(t36, t36.shape[:2] + (-1,))
+    t40 = np.concatenate([t38, t39], axis=-1)
+    t41 = np.reshape(t24, t24.shape[:2] + (-1,))
+    t42 = np.reshape(t37, t37.shape[:2] + (-1,))
+    t43 = np.concatenate([t41, t42], axis=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t40, t43, optimize=[(0, 1)])
     return out
 
 
@@ -6728,9 +7788,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6740,26 +7798,49 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L**2, d_V)) @ t19.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    t23 = (t22.transpose(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((t19 @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t27 = (t26.transpose(0, 2, 3, 1) @ dA)
+    t28 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     F = t10
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t15 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
+    t31 = np.exp(F - F.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t8 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t15 @ t0
+    t37 = G @ t36
+    t38 = t37 - (A * t37).sum(-1, keepdims=True)
+    t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = t18 * t40
+    t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t43 = np.reshape((np.reshape(t42, (n_batch, n_batch, L**2, L)) @ t18.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t44 = np.reshape((np.reshape(t43.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t46 = t18 * t45
+    t47 = np.reshape((np.reshape(t45.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t48 = np.reshape((np.reshape(t47, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t49 = np.reshape((np.reshape(t48.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t50 = (1/(L**2*n_batch**2)) * (t30 * t24.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t44 * t41.transpose(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t49 * t46.transpose(0, 2, 3, 1)).sum()
+    t51 = np.sqrt(np.maximum(t50, 0.0))
+    return t51
 
 
 def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -6778,34 +7859,37 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdims=True)
-    t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t9, dA15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    F = t11
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t9 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = (1/n_batch) * X
-    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    F = t12
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t10 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/n_batch) * X
+    t28 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t27, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = M_2.transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -6823,9 +7907,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6835,17 +7917,39 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t18 = (t17 @ dA)
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t18, (n_batch, L*d_V, L)) @ np.reshape(t19, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t10
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t8 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t8 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t30 = np.reshape((t15.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t31 = (t30.transpose(0, 2, 3, 1) @ t16)
+    t32 = np.reshape((np.reshape(t31, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t33 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t34 = np.reshape((np.reshape(t33.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t36 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t37 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t37 * t19
+    t39 = np.reshape((np.reshape(t36.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t40 = np.reshape((np.reshape(t39, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t41 = np.reshape((np.reshape(t40.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t42 = (1/(L**2*n_batch**2)) * (t23 * t21.transpose(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t35 * t29.transpose(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t41 * t38.transpose(0, 2, 3, 1)).sum()
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    return t43
 
 
 def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -6872,10 +7976,10 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t17 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -6902,8 +8006,10 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -6935,24 +8041,27 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t16
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.eye(d_V, dtype=X.dtype)
+    M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t19 = (1/n_batch) * t16
+    t20 = M_2.transpose(2, 3, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t26 = np.swapaxes(W_V, -1, -2)
-    t27 = (1/(L*n_batch)) * t21
-    t28 = oe.contract('abc,abcd,de,abef->cfab', t2, dA25, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t27 = np.swapaxes(W_V, -1, -2)
+    t28 = (1/(L*n_batch)) * t22
+    t29 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t30 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t31 = ((t30 @ t29.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -6983,19 +8092,37 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = np.exp(t9 - t9.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = np.eye(d_V, dtype=X.dtype)
+    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = np.reshape((np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_V, -1, -2)
-    t23 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t15, M_2, X, t17, t1, dA21, t22, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t17, t1, dA21, t22, M_2, X, t17, t1, dA21, t22, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = np.sqrt(np.maximum(t23, 0.0))
-    return t24
+    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t29 = np.swapaxes(W_V, -1, -2)
+    t30 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t31 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V))
+    t33 = np.reshape((np.reshape(t31.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((t32 @ np.reshape(t30.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t35 = (t34.transpose(0, 2, 3, 1) @ dA)
+    t36 = np.reshape((np.reshape(t33, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t37 = np.reshape((np.reshape(t36, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t38 = np.reshape((np.reshape(t37.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t35.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
+    t39 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t24.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = t19 * t39
+    t41 = np.reshape((np.reshape(t35, (n_batch, L*d_V, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t42 = np.reshape((np.reshape(t41.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t35.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t43 = (n_batch**(-2)) * (t23 * t20.transpose(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t38 * t15.transpose(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t42 * t40.transpose(0, 2, 3, 1)).sum()
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    return t44
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -7022,10 +8149,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -7052,10 +8179,15 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
@@ -7072,9 +8204,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7084,31 +8214,54 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L**2, d_V)) @ t19.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    t23 = (t22.transpose(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.transpose(0, 2, 3, 1) @ dA)
+    t26 = np.reshape((t19 @ np.reshape(t25.transpose(0, 2, 1, 3), (n_batch, d_V, L**2))), (n_batch, L, L, L))
+    t27 = (t26.transpose(0, 2, 3, 1) @ dA)
+    t28 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t31 = (1/(L**2*n_batch**2)) * (t30 * t24.transpose(0, 2, 3, 1)).sum()
     F = t10
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t8 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = t15 @ t0
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
+    t32 = np.exp(F - F.max(-1, keepdims=True))
+    A33 = t32 / t32.sum(-1, keepdims=True)
+    t34 = t8 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = t15 @ t0
+    t38 = G @ t37
+    t39 = t38 - (A * t38).sum(-1, keepdims=True)
+    t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = t16 + t26 + t27
-    t29 = np.sqrt(np.maximum(t16, 0.0))
-    t30 = np.sqrt(np.maximum(t26, 0.0))
-    t31 = np.sqrt(np.maximum(t28, 0.0))
-    return (t29, t30, t31,)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t41 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t42 = t18 * t41
+    t43 = np.reshape((np.reshape(t41.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t44 = np.reshape((np.reshape(t43, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t45 = np.reshape((np.reshape(t44.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(d2A.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t46 = (n_batch**(-2)) * (t45 * t42.transpose(0, 2, 3, 1)).sum()
+    t47 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t48 = t18 * t47
+    t49 = np.reshape((np.reshape(t47.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t50 = np.reshape((np.reshape(t49, (n_batch, n_batch, L**2, L)) @ t18.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
+    t51 = np.reshape((np.reshape(t50.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t52 = (2/(L*n_batch**2)) * (t51 * t48.transpose(2, 0, 1, 3)).sum()
+    t53 = t31 + t46 + t52
+    t54 = np.sqrt(np.maximum(t31, 0.0))
+    t55 = np.sqrt(np.maximum(t46, 0.0))
+    t56 = np.sqrt(np.maximum(t53, 0.0))
+    return (t54, t55, t56,)
 
 
 def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -7125,9 +8278,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7137,22 +8288,44 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t18 = (t17 @ dA)
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = np.reshape((np.reshape(t18, (n_batch, L*d_V, L)) @ np.reshape(t19, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.transpose(2, 0, 1, 3)).sum()
     F = t10
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = t15 + t21 + t22
-    t24 = np.sqrt(np.maximum(t15, 0.0))
-    t25 = np.sqrt(np.maximum(t21, 0.0))
-    t26 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, t25, t26,)
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t8 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t31 * t19
+    t33 = np.reshape((np.reshape(t30.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t34 = np.reshape((np.reshape(t33, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t36 = (n_batch**(-2)) * (t35 * t32.transpose(0, 2, 3, 1)).sum()
+    t37 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = np.reshape((t15.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t39 = (t38.transpose(0, 2, 3, 1) @ t16)
+    t40 = np.reshape((np.reshape(t39, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t41 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t42 = np.reshape((np.reshape(t41.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t43 = np.reshape((np.reshape(t42.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t44 = (2/(L*n_batch**2)) * (t43 * t37.transpose(0, 2, 3, 1)).sum()
+    t45 = t24 + t36 + t44
+    t46 = np.sqrt(np.maximum(t24, 0.0))
+    t47 = np.sqrt(np.maximum(t36, 0.0))
+    t48 = np.sqrt(np.maximum(t45, 0.0))
+    return (t46, t47, t48,)
 
 
 def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -7177,29 +8350,49 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA16, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t7, t9, dA, t14, M_2, X, t7, t9, dA, t14, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
+    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((t19 @ np.reshape(t17.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA16)
+    t23 = t20 * t18
+    t24 = np.reshape((np.reshape(t22, (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
+    t26 = (1/(L**2*n_batch**2)) * (t25 * t23.transpose(0, 2, 3, 1)).sum()
     F = t10
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t9 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t7, t9, dA, t14, M_2, X, t23, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t26 = t17 + t24 + t25
-    t27 = np.sqrt(np.maximum(t17, 0.0))
-    t28 = np.sqrt(np.maximum(t24, 0.0))
-    t29 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27, t28, t29,)
+    t27 = np.exp(F - F.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = t9 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = np.swapaxes(G, -1, -2)
+    t33 = np.reshape((np.reshape(t32.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t32.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = t20 * t33
+    t36 = np.reshape((np.reshape(t34.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA16.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
+    t37 = np.reshape((np.reshape(t36, (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t38 = np.reshape((np.reshape(t37.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA16.transpose(0, 2, 3, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t39 = (n_batch**(-2)) * (t38 * t35.transpose(0, 2, 3, 1)).sum()
+    t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t41 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA16.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
+    t42 = (t41.transpose(0, 2, 3, 1) @ t17.transpose(0, 1, 3, 2))
+    t43 = np.reshape((np.reshape(t42, (L**2*n_batch, d_V)) @ np.reshape(t32.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = np.reshape((np.reshape(t44.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
+    t46 = np.reshape((np.reshape(t45.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA16.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
+    t47 = (2/(L*n_batch**2)) * (t46 * t40.transpose(0, 2, 3, 1)).sum()
+    t48 = t26 + t39 + t47
+    t49 = np.sqrt(np.maximum(t26, 0.0))
+    t50 = np.sqrt(np.maximum(t39, 0.0))
+    t51 = np.sqrt(np.maximum(t48, 0.0))
+    return (t49, t50, t51,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -7224,12 +8417,17 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = t14 + 0.0 + 0.0
-    t16 = np.sqrt(np.maximum(t14, 0.0))
-    t17 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, 0.0, t17,)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = t19 + 0.0 + 0.0
+    t21 = np.sqrt(np.maximum(t19, 0.0))
+    t22 = np.sqrt(np.maximum(t20, 0.0))
+    return (t21, 0.0, t22,)
 
 
 VARIANTS = {

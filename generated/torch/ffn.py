@@ -74,26 +74,32 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t9 = t8.view((d_V, d_ff, d_ff, d_V))
-    t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t12 = t11.view((d_ff, d_V, d_V, d_ff))
-    t13 = t3.transpose(-1, -2)
-    t14 = t10.transpose(-1, -2)
-    t15 = (2/(L*d_V*n_batch)) * t14
-    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t15, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t16 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t16[...] = 0
-    t17 = t16.view((d_ff, d_V, d_ff, d_V))
-    t18 = t17.diagonal(0, 1, 3)
-    t19 = t14 @ t10
-    t20 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t21 = (2/(L*d_V*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
-    t18 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
+    t8 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t9 = (X.reshape((n_batch, L, d_V, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
+    t1[...] = ((t10.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t6.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
+    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t12 = t11.view((d_V, d_ff, d_ff, d_V))
+    t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t14 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t12[...] = ((t14.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t16 = t15.view((d_ff, d_V, d_V, d_ff))
+    t17 = t3.transpose(-1, -2)
+    t18 = t13.transpose(-1, -2)
+    t19 = (2/(L*d_V*n_batch)) * t18
+    t20 = (t4.reshape((n_batch, L, d_ff, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t21 = (t20.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
+    t16[...] = ((t21.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t22[...] = 0
+    t23 = t22.view((d_ff, d_V, d_ff, d_V))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t18 @ t13
+    t26 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t27 = (2/(L*d_V*n_batch)) * t26
+    t28 = t25.sum((0,))
+    t24 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
     return H
 
 
@@ -134,19 +140,36 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = torch.sqrt(torch.clamp(t5, min=0.0))
-    t7 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t10 = t1.transpose(-1, -2)
-    t11 = t7.transpose(-1, -2)
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t11, t3, t2, X, t11, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t5 = t4 * t4
+    t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
+    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = t11 @ t7
-    t15 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t6, t9, t13, t16,)
+    t14 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
+    t15 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t16 = (t14.reshape((L*n_batch, d_ff)) @ t14.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t6
+    t18 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t19 = (t18.reshape((d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.permute(2, 0, 1)).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = t1.transpose(-1, -2)
+    t23 = t14.transpose(-1, -2)
+    t24 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t25 = (t23.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t23.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = t7 * t25
+    t27 = (t24.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t28 = (t27.reshape((d_ff, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t28 * t2.permute(2, 0, 1)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t23 @ t14
+    t32 = (4/(L**2*d_V*n_batch**2)) * (t31.sum((0,)) * t31.sum((0,))).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t13, t21, t30, t33,)
 
 
 def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -163,7 +186,10 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t7 = t3 * t3
+    t8 = X * t6.permute(0, 2, 1)
+    t9 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t7.reshape((L*n_batch, d_ff)))
+    t0[...] = oe.contract('ab,bb->ab', t9, t5)
     return out
 
 
@@ -178,7 +204,10 @@ def mse_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    return (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->', t0, t2, t4, t2, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t5 = t2 * t2
+    t6 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t7 = (t6.reshape((1, L*n_batch)) @ t5.reshape((L*n_batch, d_ff))).reshape((d_ff,))
+    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
 
 
 def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -195,7 +224,10 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t7 = (t3.reshape((n_batch, L, d_ff, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t8 = (X.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
+    t9 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t7.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
+    t0[...] = ((t9.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
     return out
 
 
@@ -210,9 +242,16 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = torch.sqrt(torch.clamp(t5, min=0.0))
-    return t6
+    t5 = t4 * t4
+    t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
+    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
@@ -228,7 +267,9 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t5 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t6 = (t3.reshape((n_batch, L, d_ff, 1)) * t5.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t7 = (t6.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t0[...] = ((t7.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     return out
 
 
@@ -242,9 +283,15 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
-    t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t5 = torch.sqrt(torch.clamp(t4, min=0.0))
-    return t5
+    t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t5 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t6 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = t6 * t5
+    t8 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t9 = (t8.reshape((d_ff, L*n_batch)) @ t7.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.permute(2, 0, 1)).sum()
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -264,7 +311,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -282,7 +329,7 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
@@ -302,7 +349,9 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 = (t8.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t11 = (t10.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
+    t0[...] = ((t11.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
     return out
 
 
@@ -320,9 +369,15 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = t2.transpose(-1, -2)
     t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t7 = t6.transpose(-1, -2)
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t13 = (t12.reshape((d_ff, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.permute(2, 0, 1)).sum()
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -344,7 +399,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -362,7 +417,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
     return t8
 
@@ -390,8 +445,8 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * t4
-    t12 = oe.contract('abc,acd->bdac', t11, t6, optimize=[(0, 1)])
-    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t12 = ((t6.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = G.permute(2, 0, 1)
     t3 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
@@ -401,8 +456,8 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t18 = t5.transpose(-1, -2)
     t19 = t6.transpose(-1, -2)
     t20 = (1/n_batch) * t17
-    t21 = oe.contract('abc,adc->bdac', t20, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t21 = ((t19.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = X.permute(2, 0, 1)
     t16 += oe.contract('abcd,ecd->aeb', t21, t22, optimize=[(0, 1)])
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
@@ -452,14 +507,22 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    t9 = G.transpose(-1, -2)
-    t10 = t1.transpose(-1, -2)
-    t11 = t2.transpose(-1, -2)
-    t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return (0.0, t8, t13, 0.0,)
+    t7 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (n_batch**(-2)) * (t10 * t9).sum()
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t13 = G.transpose(-1, -2)
+    t14 = t1.transpose(-1, -2)
+    t15 = t2.transpose(-1, -2)
+    t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t15.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (n_batch**(-2)) * (t19 * t18).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (0.0, t12, t21, 0.0,)
 
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -522,8 +585,8 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (2/(L*d_V)) * t7
     G = t8
     t9 = (1/n_batch) * t2
-    t10 = oe.contract('abc,acd->bdac', t9, t4, optimize=[(0, 1)])
-    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t10 = ((t4.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = G.permute(2, 0, 1)
     t1 += oe.contract('abcd,ecd->aeb', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -543,9 +606,13 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    t7 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (n_batch**(-2)) * (t10 * t9).sum()
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -590,8 +657,8 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t9 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t10 = t9.transpose(-1, -2)
     t11 = (1/n_batch) * t7
-    t12 = oe.contract('abc,adc->bdac', t11, t10, optimize=[(0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t12 = ((t10.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = X.permute(2, 0, 1)
     t1 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -613,9 +680,13 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t6 = t0.transpose(-1, -2)
     t7 = torch.heaviside(t0, torch.full_like(t0, 0.0))
     t8 = t7.transpose(-1, -2)
-    t9 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t8, X, t5, t8, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t8.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (n_batch**(-2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -653,43 +724,49 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t9 = t8.view((d_V, d_ff, d_ff, d_V))
-    t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t11 = t9.diagonal(0, 1, 2)
-    t12 = t10 @ W_2
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/n_batch) * t2
-    t16 = oe.contract('abc,acd->bdac', t15, t4, optimize=[(0, 1)])
-    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t11 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
-    t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t19 = t18.view((d_ff, d_V, d_V, d_ff))
-    t20 = t3.transpose(-1, -2)
-    t21 = t10.transpose(-1, -2)
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = t19.diagonal(0, 0, 3)
-    t24 = G.transpose(-1, -2)
-    t25 = t4.transpose(-1, -2)
-    t26 = (1/n_batch) * t24
-    t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
-    t28 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t23 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t29[...] = 0
-    t30 = t29.view((d_ff, d_V, d_ff, d_V))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t21 @ t10
-    t33 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t34 = (2/(L*d_V*n_batch)) * t33
-    t35 = oe.contract('abc->bc', t32, optimize=[(0,)])
-    t31 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
+    t8 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t9 = (X.reshape((n_batch, L, d_V, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
+    t1[...] = ((t10.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t6.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
+    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t12 = t11.view((d_V, d_ff, d_ff, d_V))
+    t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t14 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t15 = t12.diagonal(0, 1, 2)
+    t16 = t13 @ W_2
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = (1/n_batch) * t2
+    t20 = ((t4.reshape((n_batch, L, d_ff, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = G.permute(2, 0, 1)
+    t12[...] = ((t14.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t15 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t23 = t22.view((d_ff, d_V, d_V, d_ff))
+    t24 = t3.transpose(-1, -2)
+    t25 = t13.transpose(-1, -2)
+    t26 = (2/(L*d_V*n_batch)) * t25
+    t27 = (t4.reshape((n_batch, L, d_ff, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
+    t29 = t23.diagonal(0, 0, 3)
+    t30 = G.transpose(-1, -2)
+    t31 = t4.transpose(-1, -2)
+    t32 = (1/n_batch) * t30
+    t33 = ((t31.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34 = X.permute(2, 0, 1)
+    t23[...] = ((t28.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t29 += oe.contract('abcd,ecd->aeb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t35[...] = 0
+    t36 = t35.view((d_ff, d_V, d_ff, d_V))
+    t37 = t36.diagonal(0, 1, 3)
+    t38 = t25 @ t13
+    t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t40 = (2/(L*d_V*n_batch)) * t39
+    t41 = t38.sum((0,))
+    t37 += oe.contract('a,bc->bca', t40, t41, optimize=[(0, 1)])
     return H
 
 
@@ -742,26 +819,57 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = torch.sqrt(torch.clamp(t5, min=0.0))
-    t7 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
-    t8 = t7 @ W_2
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = t1.transpose(-1, -2)
-    t14 = t7.transpose(-1, -2)
-    t15 = G.transpose(-1, -2)
-    t16 = t2.transpose(-1, -2)
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t14, t3, t2, X, t14, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t14, t3, t2, X, t15, t16, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t15, t16, X, t15, t16, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = t14 @ t7
-    t20 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t6, t12, t18, t21,)
+    t5 = t4 * t4
+    t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
+    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t14 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
+    t15 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t16 = (t14.reshape((L*n_batch, d_ff)) @ t14.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t6
+    t18 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t19 = (t18.reshape((d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t20 = t14 @ W_2
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = t14 * t2
+    t24 = (G.reshape((L*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff))
+    t25 = t24 * t2
+    t26 = (t6.reshape((L*n_batch, L*n_batch)) @ t23.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t27 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = t27 * t6
+    t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t25).sum() + (n_batch**(-2)) * (t29 * t28).sum()
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = t1.transpose(-1, -2)
+    t33 = t14.transpose(-1, -2)
+    t34 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t35 = (t33.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t33.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t7 * t35
+    t37 = (t34.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t38 = (t37.reshape((d_ff, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t39 = G.transpose(-1, -2)
+    t40 = t2.transpose(-1, -2)
+    t41 = t2 * t33.permute(0, 2, 1)
+    t42 = (t39.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3).reshape((n_batch, L, d_ff))
+    t43 = t42 * t40.permute(0, 2, 1)
+    t44 = (t7.reshape((L*n_batch, L*n_batch)) @ t41.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t45 = (t39.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = (t40.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t40.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t47 = t46 * t45
+    t48 = (4/(L**2*d_V**2*n_batch**2)) * (t38 * t2.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t44 * t43).sum() + (n_batch**(-2)) * (t7 * t47).sum()
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t50 = t33 @ t14
+    t51 = (4/(L**2*d_V*n_batch**2)) * (t50.sum((0,)) * t50.sum((0,))).sum()
+    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
+    return (t13, t31, t49, t52,)
 
 
 def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -778,7 +886,10 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t7 = t3 * t3
+    t8 = X * t6.permute(0, 2, 1)
+    t9 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t7.reshape((L*n_batch, d_ff)))
+    t0[...] = oe.contract('ab,bb->ab', t9, t5)
     return out
 
 
@@ -793,7 +904,10 @@ def mse_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    return (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->', t0, t2, t4, t2, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t5 = t2 * t2
+    t6 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t7 = (t6.reshape((1, L*n_batch)) @ t5.reshape((L*n_batch, d_ff))).reshape((d_ff,))
+    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
 
 
 def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -810,7 +924,10 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t7 = (t3.reshape((n_batch, L, d_ff, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t8 = (X.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
+    t9 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t7.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
+    t0[...] = ((t9.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
     return out
 
 
@@ -825,9 +942,16 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = torch.sqrt(torch.clamp(t5, min=0.0))
-    return t6
+    t5 = t4 * t4
+    t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
+    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
@@ -843,17 +967,19 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t5 = (2/(L*d_V*n_batch)) * t1
-    t6 = t0.diagonal(0, 1, 2)
-    t7 = t4 @ W_2
-    F = t7
-    t8 = F - Y
-    t9 = (2/(L*d_V)) * t8
-    G = t9
-    t10 = (1/n_batch) * t1
-    t11 = oe.contract('abc,acd->bdac', t10, t3, optimize=[(0, 1)])
-    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t6 += oe.contract('abcd,ecd->aeb', t11, t12, optimize=[(0, 1)])
+    t6 = (t3.reshape((n_batch, L, d_ff, 1)) * t5.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t7 = (t6.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t8 = t0.diagonal(0, 1, 2)
+    t9 = t4 @ W_2
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = (1/n_batch) * t1
+    t13 = ((t3.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = G.permute(2, 0, 1)
+    t0[...] = ((t7.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t8 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -867,14 +993,27 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
-    t4 = t3 @ W_2
-    F = t4
-    t5 = F - Y
-    t6 = (2/(L*d_V)) * t5
-    G = t6
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t5 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t6 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = t6 * t5
+    t8 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t9 = (t8.reshape((d_ff, L*n_batch)) @ t7.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = t3 @ W_2
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t3 * t2
+    t14 = (G.reshape((L*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff))
+    t15 = t14 * t2
+    t16 = (t5.reshape((L*n_batch, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t17 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t5
+    t19 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t16 * t15).sum() + (n_batch**(-2)) * (t19 * t18).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -894,7 +1033,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -912,7 +1051,7 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
@@ -932,19 +1071,21 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * t4
-    t10 = t0.diagonal(0, 0, 3)
-    t11 = t4.transpose(-1, -2)
-    t12 = t11 @ W_2
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = (1/n_batch) * t15
-    t17 = oe.contract('abc,adc->bdac', t16, t7, optimize=[(0, 1)])
-    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t10 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t10 = (t8.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t11 = (t10.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
+    t12 = t0.diagonal(0, 0, 3)
+    t13 = t4.transpose(-1, -2)
+    t14 = t13 @ W_2
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (1/n_batch) * t17
+    t19 = ((t7.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = X.permute(2, 0, 1)
+    t0[...] = ((t11.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t12 += oe.contract('abcd,ecd->aeb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -962,16 +1103,29 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = t2.transpose(-1, -2)
     t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t7 = t6.transpose(-1, -2)
-    t8 = t3.transpose(-1, -2)
-    t9 = t8 @ W_2
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t12, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t6, X, t12, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t13 = (t12.reshape((d_ff, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t14 = t3.transpose(-1, -2)
+    t15 = t14 @ W_2
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = t7 * t3.permute(0, 2, 1)
+    t20 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4).reshape((n_batch, L, d_ff))
+    t21 = t20 * t6.permute(0, 2, 1)
+    t22 = (t10.reshape((L*n_batch, L*n_batch)) @ t19.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t23 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t6.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t6.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t24 * t23
+    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t22 * t21).sum() + (n_batch**(-2)) * (t10 * t25).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -993,7 +1147,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -1011,7 +1165,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
     return t8
 
@@ -1027,11 +1181,18 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t6 = t5 + 0.0 + 0.0
-    t7 = torch.sqrt(torch.clamp(t5, min=0.0))
-    t8 = torch.sqrt(torch.clamp(t6, min=0.0))
-    return (t7, 0.0, t8,)
+    t5 = t4 * t4
+    t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t6
+    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
+    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
+    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t13 = t12 + 0.0 + 0.0
+    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return (t14, 0.0, t15,)
 
 
 def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -1044,19 +1205,32 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
-    t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t5 = t3 @ W_2
-    F = t5
-    t6 = F - Y
-    t7 = (2/(L*d_V)) * t6
-    G = t7
-    t8 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
-    t10 = t4 + t8 + t9
-    t11 = torch.sqrt(torch.clamp(t4, min=0.0))
-    t12 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t13 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return (t11, t12, t13,)
+    t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t5 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t6 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = t6 * t5
+    t8 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t9 = (t8.reshape((d_ff, L*n_batch)) @ t7.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.permute(2, 0, 1)).sum()
+    t11 = t3 @ W_2
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t5
+    t16 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (n_batch**(-2)) * (t16 * t15).sum()
+    t18 = t3 * t2
+    t19 = (G.reshape((L*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff))
+    t20 = t19 * t2
+    t21 = (t5.reshape((L*n_batch, L*n_batch)) @ t18.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t22 = (4/(L*d_V*n_batch**2)) * (t21 * t20).sum()
+    t23 = t10 + t17 + t22
+    t24 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -1073,21 +1247,34 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t5 = t2.transpose(-1, -2)
     t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t7 = t6.transpose(-1, -2)
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t9 = t3.transpose(-1, -2)
-    t10 = t9 @ W_2
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t6, X, t13, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t13, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = t8 + t14 + t15
-    t17 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t17, t18, t19,)
+    t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
+    t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t13 = (t12.reshape((d_ff, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.permute(2, 0, 1)).sum()
+    t15 = t3.transpose(-1, -2)
+    t16 = t15 @ W_2
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t6.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t6.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (n_batch**(-2)) * (t10 * t22).sum()
+    t24 = t7 * t3.permute(0, 2, 1)
+    t25 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4).reshape((n_batch, L, d_ff))
+    t26 = t25 * t6.permute(0, 2, 1)
+    t27 = (t10.reshape((L*n_batch, L*n_batch)) @ t24.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t28 = (4/(L*d_V*n_batch**2)) * (t27 * t26).sum()
+    t29 = t14 + t23 + t28
+    t30 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -1103,7 +1290,7 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = t7 + 0.0 + 0.0
     t9 = torch.sqrt(torch.clamp(t7, min=0.0))
     t10 = torch.sqrt(torch.clamp(t8, min=0.0))
@@ -1122,7 +1309,7 @@ def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     out = torch.empty((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
     t3 = out.view((n_batch, L, d_V, d_V, d_ff,))
     t4 = t0
-    t5 = oe.contract('abc,abd->abdc', t2, X, optimize=[(0, 1)])
+    t5 = (X.reshape((n_batch, L, d_V, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
     torch.mul(t4[None, None, :, None, :], t5[:, :, None, :, :], out=t3)
     return out
 
@@ -1238,29 +1425,38 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
-    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t16 = t15.view((d_V, d_ff, d_ff, d_V))
-    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
-    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t20 = t19.view((d_ff, d_V, d_V, d_ff))
-    t21 = t3.transpose(-1, -2)
-    t22 = t7.transpose(-1, -2)
-    t23 = (1/(L*n_batch)) * t22
-    t24 = oe.contract('abc,acd,acde,ef,acf->bdfac', t23, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
-    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t26 = t25.view((d_ff, d_V, d_ff, d_V))
-    t27 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t23, t7, optimize=[(0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t19 = X.permute(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21 = t20.view((d_V, d_ff, d_ff, d_V))
+    t22 = (t13.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t23 = ((t16.reshape((n_batch, L, d_ff, d_V, 1)) * t22.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t24 = t7.permute(2, 0, 1)
+    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t26 = t25.view((d_ff, d_V, d_V, d_ff))
+    t27 = t3.transpose(-1, -2)
+    t28 = t7.transpose(-1, -2)
+    t29 = (1/(L*n_batch)) * t28
+    t30 = (t11.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t31 = (t6.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t32 = (t30.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
+    t33 = ((t32.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t31.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t26[...] = oe.contract('abcde,fde->abfc', t33, t19, optimize=[(0, 1)])
+    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t35 = t34.view((d_ff, d_V, d_ff, d_V))
+    t36 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t37 = ((t7.reshape((n_batch, L, d_ff, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
     return H
 
 
@@ -1316,19 +1512,41 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = t1.transpose(-1, -2)
-    t15 = t5.transpose(-1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t15, t4, dA, t9, t2, X, t15, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t15, t4, dA, t5, t15, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t11, t13, t17, t19,)
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t12
+    t24 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t25 = (t24.permute(2, 3, 0, 1) @ t10)
+    t26 = (t25.reshape((L*n_batch, d_V*d_ff)) @ t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = (1/(L**2*n_batch**2)) * (t26 * t23).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = t1.transpose(-1, -2)
+    t30 = t5.transpose(-1, -2)
+    t31 = (t30.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t30.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t13 * t31
+    t33 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t34 = (t33.permute(1, 2, 0, 3) @ t10.permute(0, 1, 3, 2))
+    t35 = (t34.reshape((L*n_batch, d_V*d_ff)) @ t34.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (1/(L**2*n_batch**2)) * (t35 * t32).sum()
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (t10.reshape((L*n_batch, d_V**2)) @ t10.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = t38 * t31
+    t40 = (1/(L**2*n_batch**2)) * (t39 * t22).sum()
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return (t21, t28, t37, t41,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1350,10 +1568,16 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t12 = X * t11.permute(0, 2, 1)
+    t13 = t3 * t3
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
+    t16 = (t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))
+    t17 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    t0[...] = ((t17.reshape((d_ff, 1, L*n_batch)) @ t16.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -1374,9 +1598,15 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t11 = t2 * t2
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t11.reshape((n_batch, L, d_ff, 1)) * t10.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, d_ff))
+    t14 = (t9.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
+    t15 = (t14.reshape((d_ff, d_V**2)) @ t12.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t13.permute(2, 0, 1)).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -1398,12 +1628,17 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t12.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t15 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t16 = (t14.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = ((t16.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t15.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t18 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -1424,11 +1659,21 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
@@ -1450,11 +1695,14 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t12 = (t11.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t13 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t14 = ((t13.reshape((n_batch, L, d_ff, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t15 = t6.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1475,10 +1723,17 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t14 = (t13.permute(2, 3, 0, 1) @ t9)
+    t15 = (t14.reshape((L*n_batch, d_V*d_ff)) @ t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -1502,10 +1757,10 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t13 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
+    t14 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1529,8 +1784,10 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
+    t12 = oe.contract('abcc,abc->ab', dA, t5)
+    return (1/(L*n_batch)) * (t12 * t11).sum()
 
 
 def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
@@ -1554,14 +1811,17 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t16 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t17 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t18 = (t16.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
+    t19 = ((t18.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t17.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t20 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1584,13 +1844,20 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t13.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t19 = (t18.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))
+    t20 = (t19.reshape((L*n_batch, d_V*d_ff)) @ t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1614,10 +1881,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t13 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1641,10 +1908,15 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
@@ -1675,8 +1947,8 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = (1/n_batch) * t4
-    t16 = oe.contract('abc,acd->bdac', t15, t6, optimize=[(0, 1)])
-    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t16 = ((t6.reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = G.permute(2, 0, 1)
     t3 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
@@ -1686,8 +1958,8 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t22 = t5.transpose(-1, -2)
     t23 = t6.transpose(-1, -2)
     t24 = (1/n_batch) * t21
-    t25 = oe.contract('abc,adc->bdac', t24, t23, optimize=[(0, 1)])
-    t26 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t25 = ((t23.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = X.permute(2, 0, 1)
     t20 += oe.contract('abcd,ecd->aeb', t25, t26, optimize=[(0, 1)])
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
@@ -1747,14 +2019,22 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = G.transpose(-1, -2)
-    t14 = t1.transpose(-1, -2)
-    t15 = t2.transpose(-1, -2)
-    t16 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t15, X, t13, t15, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (0.0, t12, t17, 0.0,)
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (n_batch**(-2)) * (t14 * t13).sum()
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t17 = G.transpose(-1, -2)
+    t18 = t1.transpose(-1, -2)
+    t19 = t2.transpose(-1, -2)
+    t20 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t19.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (n_batch**(-2)) * (t23 * t22).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (0.0, t16, t25, 0.0,)
 
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -1822,8 +2102,8 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (1/L) * t11
     G = t12
     t13 = (1/n_batch) * t2
-    t14 = oe.contract('abc,acd->bdac', t13, t4, optimize=[(0, 1)])
-    t15 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t14 = ((t4.reshape((n_batch, L, d_ff, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = G.permute(2, 0, 1)
     t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -1848,9 +2128,13 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (n_batch**(-2)) * (t14 * t13).sum()
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
@@ -1900,8 +2184,8 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t13 = torch.heaviside(t4, torch.full_like(t4, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/n_batch) * t11
-    t16 = oe.contract('abc,adc->bdac', t15, t14, optimize=[(0, 1)])
-    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t16 = ((t14.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = X.permute(2, 0, 1)
     t1 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1928,9 +2212,13 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = t2.transpose(-1, -2)
     t11 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t12 = t11.transpose(-1, -2)
-    t13 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t12, X, t9, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t13
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (n_batch**(-2)) * (t16 * t15).sum()
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -1973,47 +2261,56 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
-    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t16 = t15.view((d_V, d_ff, d_ff, d_V))
-    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
-    t19 = t16.diagonal(0, 1, 2)
+    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t19 = X.permute(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21 = t20.view((d_V, d_ff, d_ff, d_V))
+    t22 = (t13.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t23 = ((t16.reshape((n_batch, L, d_ff, d_V, 1)) * t22.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t24 = t7.permute(2, 0, 1)
+    t25 = t21.diagonal(0, 1, 2)
     F = t8
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t6 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = (1/n_batch) * t2
-    t26 = oe.contract('abc,acd->bdac', t25, t4, optimize=[(0, 1)])
-    t27 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
-    t19 += oe.contract('abcd,ecd->aeb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t29 = t28.view((d_ff, d_V, d_V, d_ff))
-    t30 = t3.transpose(-1, -2)
-    t31 = t7.transpose(-1, -2)
-    t32 = (1/(L*n_batch)) * t31
-    t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t34 = t29.diagonal(0, 0, 3)
-    t35 = G.transpose(-1, -2)
-    t36 = t4.transpose(-1, -2)
-    t37 = (1/n_batch) * t35
-    t38 = oe.contract('abc,adc->bdac', t37, t36, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
-    t34 += oe.contract('abcd,ecd->aeb', t38, t14, optimize=[(0, 1)])
-    t39 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t40 = t39.view((d_ff, d_V, d_ff, d_V))
-    t41 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t42 = oe.contract('abc,acd->bdac', t32, t7, optimize=[(0, 1)])
-    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t6 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = (1/n_batch) * t2
+    t32 = ((t4.reshape((n_batch, L, d_ff, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = G.permute(2, 0, 1)
+    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('abcd,ecd->aeb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t35 = t34.view((d_ff, d_V, d_V, d_ff))
+    t36 = t3.transpose(-1, -2)
+    t37 = t7.transpose(-1, -2)
+    t38 = (1/(L*n_batch)) * t37
+    t39 = (t11.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t40 = (t6.reshape((n_batch, L, d_V, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t41 = (t39.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
+    t42 = ((t41.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t40.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t43 = t35.diagonal(0, 0, 3)
+    t44 = G.transpose(-1, -2)
+    t45 = t4.transpose(-1, -2)
+    t46 = (1/n_batch) * t44
+    t47 = ((t45.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35[...] = oe.contract('abcde,fde->abfc', t42, t19, optimize=[(0, 1)])
+    t43 += oe.contract('abcd,ecd->aeb', t47, t19, optimize=[(0, 1)])
+    t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t49 = t48.view((d_ff, d_V, d_ff, d_V))
+    t50 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t51 = ((t7.reshape((n_batch, L, d_ff, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
     return H
 
 
@@ -2081,28 +2378,65 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t12
+    t24 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t25 = (t24.permute(2, 3, 0, 1) @ t10)
+    t26 = (t25.reshape((L*n_batch, d_V*d_ff)) @ t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     F = t6
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t4 * A13
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = t1.transpose(-1, -2)
-    t20 = t5.transpose(-1, -2)
-    t21 = G.transpose(-1, -2)
-    t22 = t2.transpose(-1, -2)
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t20, t4, dA, t9, t2, X, t20, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t20, t4, dA, t9, t2, X, t21, t22, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t21, t22, X, t21, t22, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t4, dA, t5, t20, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t11, t18, t24, t26,)
+    t27 = torch.exp(F - F.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = t4 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = t5 * t2
+    t33 = (t10.reshape((L*d_V*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t34 = (t33.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, n_batch, L, d_ff))
+    t35 = (t34.permute(2, 3, 4, 0, 1).reshape((n_batch, L, d_ff, L*n_batch, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, n_batch, L))
+    t36 = (t35.permute(3, 4, 0, 1, 2).reshape((n_batch, L, L*n_batch, d_ff)) @ t32.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t37 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t37 * t12
+    t39 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = (1/(L**2*n_batch**2)) * (t26 * t23).sum() + (2/(L*n_batch**2)) * (t36 * t12.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t39 * t38).sum()
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = t1.transpose(-1, -2)
+    t43 = t5.transpose(-1, -2)
+    t44 = (t43.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t43.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = t13 * t44
+    t46 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t47 = (t46.permute(1, 2, 0, 3) @ t10.permute(0, 1, 3, 2))
+    t48 = (t47.reshape((L*n_batch, d_V*d_ff)) @ t47.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t49 = G.transpose(-1, -2)
+    t50 = t2.transpose(-1, -2)
+    t51 = t2 * t43.permute(0, 2, 1)
+    t52 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ t49.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
+    t53 = (t52.permute(2, 3, 4, 0, 1).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t50.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t54 = (t53.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t51.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t55 = (t49.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t56 = (t50.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t50.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t57 = t56 * t55
+    t58 = (1/(L**2*n_batch**2)) * (t48 * t45).sum() + (2/(L*n_batch**2)) * (t54 * t13.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t13 * t57).sum()
+    t59 = torch.sqrt(torch.clamp(t58, min=0.0))
+    t60 = (t10.reshape((L*n_batch, d_V**2)) @ t10.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = t60 * t44
+    t62 = (1/(L**2*n_batch**2)) * (t61 * t22).sum()
+    t63 = torch.sqrt(torch.clamp(t62, min=0.0))
+    return (t21, t41, t59, t63,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2124,10 +2458,16 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
+    t12 = X * t11.permute(0, 2, 1)
+    t13 = t3 * t3
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
+    t16 = (t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))
+    t17 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    t0[...] = ((t17.reshape((d_ff, 1, L*n_batch)) @ t16.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -2148,9 +2488,15 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
+    t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t11 = t2 * t2
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t11.reshape((n_batch, L, d_ff, 1)) * t10.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, d_ff))
+    t14 = (t9.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
+    t15 = (t14.reshape((d_ff, d_V**2)) @ t12.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t13.permute(2, 0, 1)).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -2172,12 +2518,17 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t12.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t15 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t16 = (t14.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = ((t16.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t15.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t18 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2198,11 +2549,21 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
@@ -2224,23 +2585,26 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
-    t13 = t0.diagonal(0, 1, 2)
+    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t12 = (t11.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t13 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t14 = ((t13.reshape((n_batch, L, d_ff, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t15 = t6.permute(2, 0, 1)
+    t16 = t0.diagonal(0, 1, 2)
     F = t7
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (1/n_batch) * t1
-    t20 = oe.contract('abc,acd->bdac', t19, t3, optimize=[(0, 1)])
-    t21 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
-    t13 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t5 * A18
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (1/n_batch) * t1
+    t23 = ((t3.reshape((n_batch, L, d_ff, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = G.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
+    t16 += oe.contract('abcd,ecd->aeb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2261,17 +2625,32 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t14 = (t13.permute(2, 3, 0, 1) @ t9)
+    t15 = (t14.reshape((L*n_batch, d_V*d_ff)) @ t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     F = t6
-    t9 = torch.exp(F - F.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = t4 * A10
-    t12 = t11 - Y
-    t13 = (1/L) * t12
-    G = t13
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t4 * A17
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t5 * t2
+    t22 = (t9.reshape((L*d_V*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, n_batch, L, d_ff))
+    t24 = (t23.permute(2, 3, 4, 0, 1).reshape((n_batch, L, d_ff, L*n_batch, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, n_batch, L))
+    t25 = (t24.permute(3, 4, 0, 1, 2).reshape((n_batch, L, L*n_batch, d_ff)) @ t21.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t26 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t26 * t10
+    t28 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (1/(L**2*n_batch**2)) * (t15 * t12).sum() + (2/(L*n_batch**2)) * (t25 * t10.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t28 * t27).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2295,10 +2674,10 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t13 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
+    t14 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2322,8 +2701,10 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
+    t12 = oe.contract('abcc,abc->ab', dA, t5)
+    return (1/(L*n_batch)) * (t12 * t11).sum()
 
 
 def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
@@ -2347,26 +2728,29 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t18 = t0.diagonal(0, 0, 3)
+    t16 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t17 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t18 = (t16.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
+    t19 = ((t18.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t17.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t20 = X.permute(2, 0, 1)
+    t21 = t0.diagonal(0, 0, 3)
     F = t9
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t6 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = G.transpose(-1, -2)
-    t25 = (1/n_batch) * t24
-    t26 = oe.contract('abc,adc->bdac', t25, t13, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
-    t18 += oe.contract('abcd,ecd->aeb', t26, t17, optimize=[(0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t6 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/n_batch) * t27
+    t29 = ((t13.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
+    t21 += oe.contract('abcd,ecd->aeb', t29, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2389,21 +2773,36 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t13.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t19 = (t18.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))
+    t20 = (t19.reshape((L*n_batch, d_V*d_ff)) @ t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t19, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t12, X, t19, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t5 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = t13 * t3.permute(0, 2, 1)
+    t28 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t29 = (t28.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ t26.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
+    t30 = (t29.permute(2, 3, 4, 0, 1).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t12.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t31 = (t30.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t27.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t32 = (t26.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t33 * t32
+    t35 = (1/(L**2*n_batch**2)) * (t20 * t17).sum() + (2/(L*n_batch**2)) * (t31 * t16.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t16 * t34).sum()
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    return t36
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2427,10 +2826,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = (1/(L*n_batch)) * t4
-    t13 = oe.contract('abc,abcd->cdab', t6, dA, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t12, t8, optimize=[(0, 1)])
+    t13 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2454,10 +2853,15 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
@@ -2477,13 +2881,23 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t11 = t10 + 0.0 + 0.0
-    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return (t12, 0.0, t13,)
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t21 = t20 + 0.0 + 0.0
+    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, 0.0, t23,)
 
 
 def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -2503,22 +2917,37 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t14 = (t13.permute(2, 3, 0, 1) @ t9)
+    t15 = (t14.reshape((L*n_batch, d_V*d_ff)) @ t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
     F = t6
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = t4 * A11
-    t13 = t12 - Y
-    t14 = (1/L) * t13
-    G = t14
-    t15 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = t9 + t15 + t16
-    t18 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, t19, t20,)
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t4 * A18
+    t20 = t19 - Y
+    t21 = (1/L) * t20
+    G = t21
+    t22 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t10
+    t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = (n_batch**(-2)) * (t24 * t23).sum()
+    t26 = t5 * t2
+    t27 = (t9.reshape((L*d_V*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t28 = (t27.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, n_batch, L, d_ff))
+    t29 = (t28.permute(2, 3, 4, 0, 1).reshape((n_batch, L, d_ff, L*n_batch, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, n_batch, L))
+    t30 = (t29.permute(3, 4, 0, 1, 2).reshape((n_batch, L, L*n_batch, d_ff)) @ t26.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t31 = (2/(L*n_batch**2)) * (t30 * t10.permute(2, 3, 0, 1)).sum()
+    t32 = t16 + t25 + t31
+    t33 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, t34, t35,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -2540,26 +2969,41 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t13.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t19 = (t18.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))
+    t20 = (t19.reshape((L*n_batch, d_V*d_ff)) @ t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
     F = t8
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t5 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t12, X, t20, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t20, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
-    t23 = t14 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t5 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t29 * t28
+    t31 = (n_batch**(-2)) * (t16 * t30).sum()
+    t32 = t13 * t3.permute(0, 2, 1)
+    t33 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t34 = (t33.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
+    t35 = (t34.permute(2, 3, 4, 0, 1).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t12.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
+    t36 = (t35.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t32.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
+    t37 = (2/(L*n_batch**2)) * (t36 * t16.permute(2, 3, 0, 1)).sum()
+    t38 = t21 + t31 + t37
+    t39 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t40 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t41 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (t39, t40, t41,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -2581,12 +3025,17 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t12 = t11 + 0.0 + 0.0
-    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return (t13, 0.0, t14,)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
+    t17 = t16 + 0.0 + 0.0
+    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, 0.0, t19,)
 
 
 VARIANTS = {

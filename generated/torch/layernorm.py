@@ -109,16 +109,19 @@ def mse__hessian__outer(X, Y):
     t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * M_Z
+    t16 = (t13.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t13, S, optimize=[(0, 1)])
+    S17 = (2/(L*d_V)) * ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t13.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t18 = (t13.reshape((d_V, d_V, 1)) * t15.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t15, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S19 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t18.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = oe.contract('ab,c->cab', t12, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t18, optimize=[(0, 1)])
-    t2 += oe.contract('abc,acd,ade->bea', S16, S17, S19, optimize=[(0, 1), (0, 1)])
+    S21 = ((t12.reshape((d_V**2, 1)) * t20.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t20.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t22 = (S19.permute(0, 2, 1) @ S17.permute(0, 2, 1))
+    t2 += ((t22.permute(0, 2, 1) @ S21)).permute(1, 2, 0)
     return H
 
 
@@ -188,18 +191,23 @@ def mse__frobenius_all__outer(X, Y):
     t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (t10.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t10.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18,)
+    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    t20 = (S18 @ S18.permute(0, 2, 1))
+    t21 = (t20 @ t19)
+    t22 = (t21 * t19).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23,)
 
 
 def mse__diag__X__outer(X, Y):
@@ -225,16 +233,19 @@ def mse__diag__X__outer(X, Y):
     t11 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t12 = (-0.5 * (sigma2_Z ** -1.5))
     t13 = t12 * M_Z
+    t14 = (t11.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)])
+    S = ((t10.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t14.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t13.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t11, S, optimize=[(0, 1)])
+    S15 = (2/(L*d_V)) * ((t10.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t14.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t13.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t11.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t16 = (t11.reshape((d_V, d_V, 1)) * t13.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t13, t11, M_Z, optimize=[(0, 1), (0, 1)])
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S17 = ((t10.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = oe.contract('ab,c->cab', t10, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t11, t16, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,acd,adb->ab', S14, S15, S17, optimize=[(0, 1), (0, 1)])
+    S19 = ((t10.reshape((d_V**2, 1)) * t18.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t11.reshape((d_V**2, 1)) * t18.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t20 = (S17.permute(0, 2, 1) @ S15.permute(0, 2, 1))
+    t0[...] = (t20.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S19.permute(0, 2, 1).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -259,16 +270,19 @@ def mse__trace__X__outer(X, Y):
     t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (t10.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t10.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    return oe.contract('abc,acd,adb->', S13, S14, S16, optimize=[(0, 1), (0, 1)])
+    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    return (t19 * S18).sum()
 
 
 def mse__block__X__X__outer(X, Y):
@@ -296,16 +310,19 @@ def mse__block__X__X__outer(X, Y):
     t12 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t13 = (-0.5 * (sigma2_Z ** -1.5))
     t14 = t13 * M_Z
+    t15 = (t12.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)])
+    S = ((t11.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t14.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t12, S, optimize=[(0, 1)])
+    S16 = (2/(L*d_V)) * ((t11.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t14.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t12.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t17 = (t12.reshape((d_V, d_V, 1)) * t14.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t14, t12, M_Z, optimize=[(0, 1), (0, 1)])
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S18 = ((t11.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t17.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t19 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = oe.contract('ab,c->cab', t11, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t12, t17, optimize=[(0, 1)])
-    t1 += oe.contract('abc,acd,ade->bea', S15, S16, S18, optimize=[(0, 1), (0, 1)])
+    S20 = ((t11.reshape((d_V**2, 1)) * t19.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t12.reshape((d_V**2, 1)) * t19.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t21 = (S18.permute(0, 2, 1) @ S16.permute(0, 2, 1))
+    t1 += ((t21.permute(0, 2, 1) @ S20)).permute(1, 2, 0)
     return out
 
 
@@ -330,18 +347,23 @@ def mse__frobenius__X__X__outer(X, Y):
     t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (t10.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t10.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    t20 = (S18 @ S18.permute(0, 2, 1))
+    t21 = (t20 @ t19)
+    t22 = (t21 * t19).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse__hessian__functional(X, Y):
@@ -379,19 +401,21 @@ def mse__hessian__functional(X, Y):
     t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t20 = t11 * G
     t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    t22 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t21.permute(1, 0).reshape((d_V, 1, d_V)))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t19.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t25 = (t21.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
+    S26 = ((t19.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t20.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S24, optimize=[(0, 1)])
-    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S27 = (2/d_V) * ((t19.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t20.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S26.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t19, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t26, optimize=[(0, 1)])
-    t28 = (1/n_batch) * S27
-    t2 += oe.contract('abcd,bde->ceb', S25, t28, optimize=[(0, 1)])
+    S29 = ((t19.reshape((d_V**2, 1)) * t28.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t21.reshape((d_V**2, 1)) * t28.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t30 = (1/n_batch) * S29
+    t2 += ((t30.permute(0, 2, 1) @ S27.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return H
 
 
@@ -480,20 +504,24 @@ def mse__frobenius_all__functional(X, Y):
     t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t17 = t8 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t18.permute(1, 0).reshape((d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t16.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t22 = (t18.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S23 = ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S24 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S23.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t26,)
+    S26 = ((t16.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t27 = (S26.permute(0, 2, 1) @ S24.sum((0,)).permute(0, 2, 1))
+    t28 = (t27.permute(0, 2, 1) @ S26.permute(0, 2, 1))
+    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -528,19 +556,21 @@ def mse__diag__X__functional(X, Y):
     t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t18 = t9 * G
     t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t20 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t19.permute(1, 0).reshape((d_V, 1, d_V)))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t17.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t23 = (t19.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S24 = ((t17.reshape((d_V, d_V, 1)) * t16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t18.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S22, optimize=[(0, 1)])
-    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S25 = (2/d_V) * ((t17.reshape((d_V, d_V, 1)) * t16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t18.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S24.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
-    t26 = (1/n_batch) * S25
-    t0[...] = oe.contract('abcd,bdc->bc', S23, t26, optimize=[(0, 1)])
+    S27 = ((t17.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t19.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t28 = (1/n_batch) * S27
+    t0[...] = (t28.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S25.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -574,18 +604,20 @@ def mse__trace__X__functional(X, Y):
     t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t17 = t8 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t18.permute(1, 0).reshape((d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t16.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t22 = (t18.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S23 = ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S24 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S23.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S22, S24, optimize=[(0, 1)])
+    S26 = ((t16.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    return (1/n_batch) * (S26 * S24.sum((0,)).permute(0, 2, 1)).sum()
 
 
 def mse__block__X__X__functional(X, Y):
@@ -622,19 +654,21 @@ def mse__block__X__X__functional(X, Y):
     t18 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t19 = t10 * G
     t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    t21 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t20.permute(1, 0).reshape((d_V, 1, d_V)))
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t18.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t24 = (t20.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
+    S25 = ((t18.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t19.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S23, optimize=[(0, 1)])
-    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S26 = (2/d_V) * ((t18.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t19.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,c->cab', t18, t25, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t25, optimize=[(0, 1)])
-    t27 = (1/n_batch) * S26
-    t1 += oe.contract('abcd,bde->ceb', S24, t27, optimize=[(0, 1)])
+    S28 = ((t18.reshape((d_V**2, 1)) * t27.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t20.reshape((d_V**2, 1)) * t27.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t29 = (1/n_batch) * S28
+    t1 += ((t29.permute(0, 2, 1) @ S26.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return out
 
 
@@ -668,20 +702,24 @@ def mse__frobenius__X__X__functional(X, Y):
     t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t17 = t8 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t18.permute(1, 0).reshape((d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t16.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t22 = (t18.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S23 = ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S24 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S23.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    S26 = ((t16.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t27 = (S26.permute(0, 2, 1) @ S24.sum((0,)).permute(0, 2, 1))
+    t28 = (t27.permute(0, 2, 1) @ S26.permute(0, 2, 1))
+    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def mse__hessian__full(X, Y):
@@ -719,24 +757,30 @@ def mse__hessian__full(X, Y):
     t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t20 = t11 * G
     t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    t22 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t21.permute(1, 0).reshape((d_V, 1, d_V)))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t11 * M_Z
+    S = ((t19.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t25 = (t21.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t26 = t11 * M_Z
+    t27 = (t21.reshape((d_V, d_V, 1)) * t26.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t21, M_Z, optimize=[(0, 1), (0, 1)])
+    S28 = ((t19.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t27.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t29 = (S28.reshape((L, d_V, d_V, 1)) * t26.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V))
+    t30 = (t29.reshape((L, d_V**2, 1)) * M_Z.reshape((L, 1, d_V))).reshape((L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
+    S31 = ((t19.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t20.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t21, t24, optimize=[(0, 1), (0, 1)])
+    S32 = ((t19.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t26.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t33 = (S32.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t21.permute(1, 0)).reshape((L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t21, t24, S25, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S25, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S26, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t21, S27, S25, optimize=[(0, 1), (0, 1)])
-    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S34 = (2/d_V) * ((t19.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t20.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t30.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t21.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S28.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S31.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t33.permute(0, 2, 1) @ S28)
+    t35 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('ab,c->cab', t19, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t29, optimize=[(0, 1)])
-    t31 = (1/n_batch) * S30
-    t2 += oe.contract('abcd,bde->ceb', S28, t31, optimize=[(0, 1)])
+    S36 = ((t19.reshape((d_V**2, 1)) * t35.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t21.reshape((d_V**2, 1)) * t35.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t37 = (1/n_batch) * S36
+    t2 += ((t37.permute(0, 2, 1) @ S34.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return H
 
 
@@ -836,25 +880,33 @@ def mse__frobenius_all__full(X, Y):
     t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t17 = t8 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t18.permute(1, 0).reshape((d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t21 = t8 * M_Z
+    S = ((t16.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t22 = (t18.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t23 = t8 * M_Z
+    t24 = (t18.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = ((t16.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t26 = (S25.reshape((L, d_V, d_V, 1)) * t23.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V))
+    t27 = (t26.reshape((L, d_V**2, 1)) * M_Z.reshape((L, 1, d_V))).reshape((L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S28 = ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    S29 = ((t16.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t23.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t30 = (S29.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t18.permute(1, 0)).reshape((L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S31 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t27.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t18.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S25.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.permute(0, 2, 1) @ S25)
+    t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29,)
+    S33 = ((t16.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t34 = (S33.permute(0, 2, 1) @ S31.sum((0,)).permute(0, 2, 1))
+    t35 = (t34.permute(0, 2, 1) @ S33.permute(0, 2, 1))
+    t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return (t37,)
 
 
 def mse__diag__X__full(X, Y):
@@ -889,24 +941,30 @@ def mse__diag__X__full(X, Y):
     t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t18 = t9 * G
     t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    t20 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t19.permute(1, 0).reshape((d_V, 1, d_V)))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t22 = t9 * M_Z
+    S = ((t17.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t23 = (t19.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t24 = t9 * M_Z
+    t25 = (t19.reshape((d_V, d_V, 1)) * t24.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    S26 = ((t17.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t27 = (S26.reshape((L, d_V, d_V, 1)) * t24.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V))
+    t28 = (t27.reshape((L, d_V**2, 1)) * M_Z.reshape((L, 1, d_V))).reshape((L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
+    S29 = ((t17.reshape((d_V, d_V, 1)) * t16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t18.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
+    S30 = ((t17.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t24.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t31 = (S30.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t19.permute(1, 0)).reshape((L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
-    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S32 = (2/d_V) * ((t17.reshape((d_V, d_V, 1)) * t16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t18.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t28.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t19.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S26.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S29.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t31.permute(0, 2, 1) @ S26)
+    t33 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
-    t29 = (1/n_batch) * S28
-    t0[...] = oe.contract('abcd,bdc->bc', S26, t29, optimize=[(0, 1)])
+    S34 = ((t17.reshape((d_V**2, 1)) * t33.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t19.reshape((d_V**2, 1)) * t33.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t35 = (1/n_batch) * S34
+    t0[...] = (t35.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S32.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -940,23 +998,29 @@ def mse__trace__X__full(X, Y):
     t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t17 = t8 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t18.permute(1, 0).reshape((d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t21 = t8 * M_Z
+    S = ((t16.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t22 = (t18.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t23 = t8 * M_Z
+    t24 = (t18.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = ((t16.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t26 = (S25.reshape((L, d_V, d_V, 1)) * t23.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V))
+    t27 = (t26.reshape((L, d_V**2, 1)) * M_Z.reshape((L, 1, d_V))).reshape((L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S28 = ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    S29 = ((t16.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t23.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t30 = (S29.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t18.permute(1, 0)).reshape((L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S31 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t27.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t18.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S25.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.permute(0, 2, 1) @ S25)
+    t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S25, S27, optimize=[(0, 1)])
+    S33 = ((t16.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    return (1/n_batch) * (S33 * S31.sum((0,)).permute(0, 2, 1)).sum()
 
 
 def mse__block__X__X__full(X, Y):
@@ -993,24 +1057,30 @@ def mse__block__X__X__full(X, Y):
     t18 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t19 = t10 * G
     t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    t21 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t20.permute(1, 0).reshape((d_V, 1, d_V)))
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
-    t23 = t10 * M_Z
+    S = ((t18.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t24 = (t20.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t25 = t10 * M_Z
+    t26 = (t20.reshape((d_V, d_V, 1)) * t25.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t23, t20, M_Z, optimize=[(0, 1), (0, 1)])
+    S27 = ((t18.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t28 = (S27.reshape((L, d_V, d_V, 1)) * t25.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V))
+    t29 = (t28.reshape((L, d_V**2, 1)) * M_Z.reshape((L, 1, d_V))).reshape((L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
+    S30 = ((t18.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t19.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
+    S31 = ((t18.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t25.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t32 = (S31.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t20.permute(1, 0)).reshape((L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t20, t23, S24, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S24, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S25, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t20, S26, S24, optimize=[(0, 1), (0, 1)])
-    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S33 = (2/d_V) * ((t18.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t19.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t29.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t20.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S27.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S30.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t32.permute(0, 2, 1) @ S27)
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t18, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t28, optimize=[(0, 1)])
-    t30 = (1/n_batch) * S29
-    t1 += oe.contract('abcd,bde->ceb', S27, t30, optimize=[(0, 1)])
+    S35 = ((t18.reshape((d_V**2, 1)) * t34.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t20.reshape((d_V**2, 1)) * t34.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t36 = (1/n_batch) * S35
+    t1 += ((t36.permute(0, 2, 1) @ S33.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return out
 
 
@@ -1044,25 +1114,33 @@ def mse__frobenius__X__X__full(X, Y):
     t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t17 = t8 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
+    t19 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t18.permute(1, 0).reshape((d_V, 1, d_V)))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t21 = t8 * M_Z
+    S = ((t16.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t22 = (t18.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t23 = t8 * M_Z
+    t24 = (t18.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = ((t16.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t26 = (S25.reshape((L, d_V, d_V, 1)) * t23.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V))
+    t27 = (t26.reshape((L, d_V**2, 1)) * M_Z.reshape((L, 1, d_V))).reshape((L, d_V, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
+    S28 = ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    S29 = ((t16.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t23.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t30 = (S29.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t18.permute(1, 0)).reshape((L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
-    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S31 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t27.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t18.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S25.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.permute(0, 2, 1) @ S25)
+    t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return t29
+    S33 = ((t16.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t34 = (S33.permute(0, 2, 1) @ S31.sum((0,)).permute(0, 2, 1))
+    t35 = (t34.permute(0, 2, 1) @ S33.permute(0, 2, 1))
+    t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return t37
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1086,41 +1164,52 @@ def mse__frobenius_split__X__X(X, Y):
     t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
+    t13 = (t10.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
+    S = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (4/(L*d_V**2)) * ((t13.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t12.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0) + (-2/(L*d_V**2)) * ((S.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t10.permute(1, 0)).reshape((L, d_V, d_V))).permute(0, 2, 1)
+    t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = M_Z * P_Z
-    Z = t18
+    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    t20 = (S18 @ S18.permute(0, 2, 1))
+    t21 = (t20 @ t19)
+    t22 = (t21 * t19).sum()
+    t23 = M_Z * P_Z
+    Z = t23
     F = Z
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = t11 * G * M_Z
-    t22 = t21.sum(-1, keepdim=True)
-    t23 = t22.expand(*t22.shape[:-1], d_V)
-    t24 = t11 * G
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = t11 * G * M_Z
+    t27 = t26.sum(-1, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-1], d_V)
+    t29 = t11 * G
+    t30 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t10.permute(1, 0).reshape((d_V, 1, d_V)))
+    t31 = (0.75 * (sigma2_Z ** -2.5))
+    t32 = t31 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t10, M_Z, optimize=[(1, 2), (0, 1)])
+    S33 = ((t9.reshape((d_V, d_V, 1)) * t29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t30.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t32.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)])
+    S34 = ((t9.reshape((d_V, d_V, 1)) * t28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t30.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t29.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t13.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S29, S16, S29, S16, optimize=[(0, 1), (1, 2), (0, 1)])
-    t31 = (2/n_batch) * oe.contract('abc,acd,ade,fabg,age->', S13, S14, S16, S29, S16, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t32 = t17 + t30 + t31
-    t33 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t33, t34, t35,)
+    S35 = (2/d_V) * ((t9.reshape((d_V, d_V, 1)) * t28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t30.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t29.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t13.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S34.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t36 = (S18.permute(0, 2, 1) @ S35.sum((0,)).permute(0, 2, 1))
+    t37 = (t36.permute(0, 2, 1) @ S18.permute(0, 2, 1))
+    t38 = (n_batch**(-2)) * (t37 * S35.sum((0,))).sum()
+    t39 = (S35.sum((0,)).permute(0, 2, 1) @ S14)
+    t40 = (S18.permute(0, 2, 1) @ S16.permute(0, 2, 1))
+    t41 = (t40.permute(0, 2, 1) @ S18.permute(0, 2, 1))
+    t42 = (2/n_batch) * (t41 * t39.permute(0, 2, 1)).sum()
+    t43 = t22 + t38 + t42
+    t44 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t46 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return (t44, t45, t46,)
 
 
 def jacobian__X(X):
@@ -1145,15 +1234,15 @@ def jacobian__X(X):
     out = torch.zeros((L*d_V, L*d_V,), dtype=X.dtype, device=X.device)
     t12 = out.view((L, d_V, L, d_V,))
     t13 = t12.diagonal(0, -4, -2)
-    t14 = oe.contract('ab->ba', t9, optimize=[(0,)])
-    t15 = (2/d_V) * oe.contract('ab->ba', M_Z, optimize=[(0,)])
+    t14 = t9.permute(1, 0)
+    t15 = (2/d_V) * M_Z.permute(1, 0)
     torch.mul(t14[:, None, :], t15[None, :, :], out=t13)
-    t16 = (-2/d_V**2) * oe.contract('ab,ac->ba', t9, M_Z, optimize=[(0, 1)])
+    t16 = (-2/d_V**2) * ((M_Z.sum((1,)).reshape((L, 1, 1)) * t9.reshape((L, 1, d_V))).reshape((L, d_V))).permute(1, 0)
     t13 += t16[:, None, :]
     t17 = t12.diagonal(0, -4, -2).diagonal(0, -3, -2)
     t18 = P_Z
     t17 += t18[:, :]
-    t19 = (-1/d_V) * oe.contract('ab->ba', P_Z, optimize=[(0,)])
+    t19 = (-1/d_V) * P_Z.permute(1, 0)
     t13 += t19[:, None, :]
     return out
 
@@ -1182,7 +1271,7 @@ def jacobian_compact__X(X):
     t13 = t9
     t14 = (2/d_V) * M_Z
     torch.mul(t13[:, :, None], t14[:, None, :], out=t12)
-    t15 = (-2/d_V**2) * oe.contract('ab,ac->ab', t9, M_Z, optimize=[(0, 1)])
+    t15 = (-2/d_V**2) * (M_Z.sum((1,)).reshape((L, 1, 1)) * t9.reshape((L, 1, d_V))).reshape((L, d_V))
     t12 += t15[:, :, None]
     t16 = (-1/d_V) * P_Z
     t12 += t16[:, :, None]
@@ -1293,24 +1382,28 @@ def ce__hessian__outer(X, Y):
     t16 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t17 = (-0.5 * (sigma2_Z ** -1.5))
     t18 = t17 * t4 * M_Z
+    t19 = (t16.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t16, t18, optimize=[(0, 1), (0, 1)])
+    S = ((t15.reshape((d_V, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t18.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (1/L) * oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t16, t18, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t16, S, optimize=[(0, 1)])
-    t20 = M_Z * P_Z
-    Z = t20
-    t21 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t21 / t21.sum(-1, keepdim=True)
+    S20 = (1/L) * ((t15.reshape((d_V, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t19.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t18.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t21 = M_Z * P_Z
+    Z = t21
+    t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t22 / t22.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t15, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t22 = t17 * M_Z
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t23 = t17 * M_Z
+    t24 = (t16.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S25 = ((t15.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,c->cab', t15, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t24, optimize=[(0, 1)])
-    t26 = (1/n_batch) * dA
-    t2 += oe.contract('abcd,bde,bef,bfg->cgb', S19, t26, S23, S25, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = ((t15.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t16.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t28 = (1/n_batch) * dA
+    t29 = (t28.permute(0, 2, 1) @ S20.sum((0,)).permute(0, 2, 1))
+    t30 = (S27.permute(0, 2, 1) @ S25.permute(0, 2, 1))
+    t2 += ((t30 @ t29)).permute(2, 1, 0)
     return H
 
 
@@ -1391,25 +1484,32 @@ def ce__frobenius_all__outer(X, Y):
     t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (t13.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t18 / t18.sum(-1, keepdim=True)
+    S17 = (1/L) * ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24,)
+    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t27 = (S24 @ S24.permute(0, 2, 1))
+    t28 = (t27 @ t26)
+    t29 = (t28 @ t25.permute(0, 2, 1))
+    t30 = (n_batch**(-2)) * (t29 * t26).sum()
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31,)
 
 
 def ce__diag__X__outer(X, Y):
@@ -1438,24 +1538,28 @@ def ce__diag__X__outer(X, Y):
     t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t15 = (-0.5 * (sigma2_Z ** -1.5))
     t16 = t15 * t2 * M_Z
+    t17 = (t14.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t14, t16, optimize=[(0, 1), (0, 1)])
+    S = ((t13.reshape((d_V, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t17.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t16.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (1/L) * oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t14, t16, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t14, S, optimize=[(0, 1)])
-    t18 = M_Z * P_Z
-    Z = t18
-    t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t19 / t19.sum(-1, keepdim=True)
+    S18 = (1/L) * ((t13.reshape((d_V, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t17.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t16.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t19 = M_Z * P_Z
+    Z = t19
+    t20 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t20 / t20.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t13, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t20 = t15 * M_Z
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t21 = t15 * M_Z
+    t22 = (t14.reshape((d_V, d_V, 1)) * t21.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t20, t14, M_Z, optimize=[(0, 1), (0, 1)])
-    t22 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S23 = ((t13.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('ab,c->cab', t13, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t22, optimize=[(0, 1)])
-    t24 = (1/n_batch) * dA
-    t0[...] = oe.contract('abcd,bde,bef,bfc->bc', S17, t24, S21, S23, optimize=[(1, 2), (1, 2), (0, 1)])
+    S25 = ((t13.reshape((d_V**2, 1)) * t24.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t14.reshape((d_V**2, 1)) * t24.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t26 = (1/n_batch) * dA
+    t27 = (S23.permute(0, 2, 1) @ t26.permute(0, 2, 1))
+    t28 = (t27.permute(0, 2, 1) @ S25)
+    t0[...] = (t28.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S18.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -1483,23 +1587,27 @@ def ce__trace__X__outer(X, Y):
     t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (t13.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t18 / t18.sum(-1, keepdim=True)
+    S17 = (1/L) * ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bde,bef,bfc->', S16, dA, S20, S22, optimize=[(1, 2), (1, 2), (0, 1)])
+    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t25 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t26 = (t25.permute(0, 2, 1) @ S24)
+    return (1/n_batch) * (t26 * S17.sum((0,)).permute(0, 2, 1)).sum()
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1530,24 +1638,28 @@ def ce__block__X__X__outer(X, Y):
     t15 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * t3 * M_Z
+    t18 = (t15.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t15, t17, optimize=[(0, 1), (0, 1)])
+    S = ((t14.reshape((d_V, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t18.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t17.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (1/L) * oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t15, t17, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t15, S, optimize=[(0, 1)])
-    t19 = M_Z * P_Z
-    Z = t19
-    t20 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t20 / t20.sum(-1, keepdim=True)
+    S19 = (1/L) * ((t14.reshape((d_V, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t18.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t17.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t20 = M_Z * P_Z
+    Z = t20
+    t21 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t21 / t21.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t21 = t16 * M_Z
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t22 = t16 * M_Z
+    t23 = (t15.reshape((d_V, d_V, 1)) * t22.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t15, M_Z, optimize=[(0, 1), (0, 1)])
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S24 = ((t14.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('ab,c->cab', t14, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t23, optimize=[(0, 1)])
-    t25 = (1/n_batch) * dA
-    t1 += oe.contract('abcd,bde,bef,bfg->cgb', S18, t25, S22, S24, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = ((t14.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t15.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t27 = (1/n_batch) * dA
+    t28 = (t27.permute(0, 2, 1) @ S19.sum((0,)).permute(0, 2, 1))
+    t29 = (S26.permute(0, 2, 1) @ S24.permute(0, 2, 1))
+    t1 += ((t29 @ t28)).permute(2, 1, 0)
     return out
 
 
@@ -1575,25 +1687,32 @@ def ce__frobenius__X__X__outer(X, Y):
     t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (t13.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t18 / t18.sum(-1, keepdim=True)
+    S17 = (1/L) * ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t27 = (S24 @ S24.permute(0, 2, 1))
+    t28 = (t27 @ t26)
+    t29 = (t28 @ t25.permute(0, 2, 1))
+    t30 = (n_batch**(-2)) * (t29 * t26).sum()
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return t31
 
 
 def ce__hessian__functional(X, Y):
@@ -1636,19 +1755,21 @@ def ce__hessian__functional(X, Y):
     t23 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t24 = t11 * G
     t25 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    t26 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t25.permute(1, 0).reshape((d_V, 1, d_V)))
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t25, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t23.reshape((d_V, d_V, 1)) * t24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t28.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t29 = (t25.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)])
+    S30 = ((t23.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S28, optimize=[(0, 1)])
-    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S31 = (2/d_V) * ((t23.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S30.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('ab,c->cab', t23, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t30, optimize=[(0, 1)])
-    t32 = (1/n_batch) * S31
-    t2 += oe.contract('abcd,bde->ceb', S29, t32, optimize=[(0, 1)])
+    S33 = ((t23.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t25.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t34 = (1/n_batch) * S33
+    t2 += ((t34.permute(0, 2, 1) @ S31.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return H
 
 
@@ -1747,20 +1868,24 @@ def ce__frobenius_all__functional(X, Y):
     t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t21 = t8 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t23 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t22.permute(1, 0).reshape((d_V, 1, d_V)))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t20.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t25.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t26 = (t22.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S27 = ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S28 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30,)
+    S30 = ((t20.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t31 = (S30.permute(0, 2, 1) @ S28.sum((0,)).permute(0, 2, 1))
+    t32 = (t31.permute(0, 2, 1) @ S30.permute(0, 2, 1))
+    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return (t34,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1800,19 +1925,21 @@ def ce__diag__X__functional(X, Y):
     t21 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t22 = t9 * G
     t23 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    t24 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t23.permute(1, 0).reshape((d_V, 1, d_V)))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t21.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t26.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t27 = (t23.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
+    S28 = ((t21.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
-    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S29 = (2/d_V) * ((t21.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
-    t30 = (1/n_batch) * S29
-    t0[...] = oe.contract('abcd,bdc->bc', S27, t30, optimize=[(0, 1)])
+    S31 = ((t21.reshape((d_V**2, 1)) * t30.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t23.reshape((d_V**2, 1)) * t30.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t32 = (1/n_batch) * S31
+    t0[...] = (t32.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S29.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -1851,18 +1978,20 @@ def ce__trace__X__functional(X, Y):
     t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t21 = t8 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t23 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t22.permute(1, 0).reshape((d_V, 1, d_V)))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t20.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t25.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t26 = (t22.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S27 = ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S28 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S26, S28, optimize=[(0, 1)])
+    S30 = ((t20.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    return (1/n_batch) * (S30 * S28.sum((0,)).permute(0, 2, 1)).sum()
 
 
 def ce__block__X__X__functional(X, Y):
@@ -1904,19 +2033,21 @@ def ce__block__X__X__functional(X, Y):
     t22 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t23 = t10 * G
     t24 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    t25 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t24.permute(1, 0).reshape((d_V, 1, d_V)))
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t24, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t22.reshape((d_V, d_V, 1)) * t23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t27.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t28 = (t24.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)])
+    S29 = ((t22.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S27, optimize=[(0, 1)])
-    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S30 = (2/d_V) * ((t22.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S29.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t31 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('ab,c->cab', t22, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t29, optimize=[(0, 1)])
-    t31 = (1/n_batch) * S30
-    t1 += oe.contract('abcd,bde->ceb', S28, t31, optimize=[(0, 1)])
+    S32 = ((t22.reshape((d_V**2, 1)) * t31.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t24.reshape((d_V**2, 1)) * t31.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t33 = (1/n_batch) * S32
+    t1 += ((t33.permute(0, 2, 1) @ S30.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return out
 
 
@@ -1955,20 +2086,24 @@ def ce__frobenius__X__X__functional(X, Y):
     t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t21 = t8 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    t23 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t22.permute(1, 0).reshape((d_V, 1, d_V)))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S = ((t20.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t25.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t26 = (t22.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
+    S27 = ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
-    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S28 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    S30 = ((t20.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t31 = (S30.permute(0, 2, 1) @ S28.sum((0,)).permute(0, 2, 1))
+    t32 = (t31.permute(0, 2, 1) @ S30.permute(0, 2, 1))
+    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return t34
 
 
 def ce__hessian__full(X, Y):
@@ -2011,30 +2146,37 @@ def ce__hessian__full(X, Y):
     t23 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t24 = t11 * G
     t25 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t26 = t13 * P_Z
-    t27 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
+    t26 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t25.permute(1, 0).reshape((d_V, 1, d_V)))
+    t27 = t13 * P_Z
+    t28 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A28, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A28, A28, optimize=[(0, 1)])
-    t29 = t11 * M_Z
+    dA = ((t23.reshape((d_V, d_V, 1)) * A29.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A29.reshape((L, d_V, 1)) * A29.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t30 = t11 * M_Z
+    t31 = (t25.reshape((d_V, d_V, 1)) * t30.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t29, t25, M_Z, optimize=[(0, 1), (0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S = ((t23.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t31.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t32 = (S.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t33 = (0.75 * (sigma2_Z ** -2.5))
+    t34 = t33 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t25, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t11 * t13 * M_Z
+    S35 = ((t23.reshape((d_V, d_V, 1)) * t24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t34.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t36 = (t25.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t37 = t11 * t13 * M_Z
+    t38 = (t32.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t37.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))
+    t39 = (t38.permute(0, 2, 3, 1).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t26, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t25, t33, optimize=[(0, 1), (0, 1)])
+    S40 = ((t23.reshape((d_V, d_V, 1)) * t27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t36.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t37.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
+    t41 = (S40.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)])
+    S42 = ((t23.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t36.permute(2, 0, 1) @ S35.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t26, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t25, t33, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t25, S34, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S35, optimize=[(0, 1)])
-    t37 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S43 = (2/d_V) * ((t23.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t32.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t27.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t36.permute(2, 0, 1) @ S35.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t39.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t32 @ t41.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S42.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t44 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = oe.contract('ab,c->cab', t23, t37, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t37, optimize=[(0, 1)])
-    t39 = (1/n_batch) * S38
-    t2 += oe.contract('abcd,bde->ceb', S36, t39, optimize=[(0, 1)])
+    S45 = ((t23.reshape((d_V**2, 1)) * t44.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t25.reshape((d_V**2, 1)) * t44.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t46 = (1/n_batch) * S45
+    t2 += ((t46.permute(0, 2, 1) @ S43.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return H
 
 
@@ -2144,31 +2286,40 @@ def ce__frobenius_all__full(X, Y):
     t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t21 = t8 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t23 = t10 * P_Z
-    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
+    t23 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t22.permute(1, 0).reshape((d_V, 1, d_V)))
+    t24 = t10 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t8 * M_Z
+    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t27 = t8 * M_Z
+    t28 = (t22.reshape((d_V, d_V, 1)) * t27.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = ((t20.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t28.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t29 = (S.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t30 = t8 * t10 * M_Z
+    S32 = ((t20.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t31.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t33 = (t22.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t34 = t8 * t10 * M_Z
+    t35 = (t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t34.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))
+    t36 = (t35.permute(0, 2, 3, 1).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
+    S37 = ((t20.reshape((d_V, d_V, 1)) * t24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t33.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t34.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
+    t38 = (S37.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
+    S39 = ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S40 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t36.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t29 @ t38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    return (t37,)
+    S42 = ((t20.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t43 = (S42.permute(0, 2, 1) @ S40.sum((0,)).permute(0, 2, 1))
+    t44 = (t43.permute(0, 2, 1) @ S42.permute(0, 2, 1))
+    t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return (t46,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2208,30 +2359,37 @@ def ce__diag__X__full(X, Y):
     t21 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t22 = t9 * G
     t23 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t24 = t11 * P_Z
-    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
+    t24 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t23.permute(1, 0).reshape((d_V, 1, d_V)))
+    t25 = t11 * P_Z
+    t26 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t9 * M_Z
+    dA = ((t21.reshape((d_V, d_V, 1)) * A27.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A27.reshape((L, d_V, 1)) * A27.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t28 = t9 * M_Z
+    t29 = (t23.reshape((d_V, d_V, 1)) * t28.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
+    S = ((t21.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t29.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t30 = (S.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t31 = (0.75 * (sigma2_Z ** -2.5))
+    t32 = t31 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
-    t31 = t9 * t11 * M_Z
+    S33 = ((t21.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t32.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t34 = (t23.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t35 = t9 * t11 * M_Z
+    t36 = (t30.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t35.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))
+    t37 = (t36.permute(0, 2, 3, 1).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
+    S38 = ((t21.reshape((d_V, d_V, 1)) * t25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t34.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t35.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
+    t39 = (S38.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
+    S40 = ((t21.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t34.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
-    t35 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S41 = (2/d_V) * ((t21.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t30.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t25.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t34.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t37.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t30 @ t39.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S40.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t42 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
-    t37 = (1/n_batch) * S36
-    t0[...] = oe.contract('abcd,bdc->bc', S34, t37, optimize=[(0, 1)])
+    S43 = ((t21.reshape((d_V**2, 1)) * t42.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t23.reshape((d_V**2, 1)) * t42.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t44 = (1/n_batch) * S43
+    t0[...] = (t44.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S41.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -2270,29 +2428,36 @@ def ce__trace__X__full(X, Y):
     t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t21 = t8 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t23 = t10 * P_Z
-    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
+    t23 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t22.permute(1, 0).reshape((d_V, 1, d_V)))
+    t24 = t10 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t8 * M_Z
+    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t27 = t8 * M_Z
+    t28 = (t22.reshape((d_V, d_V, 1)) * t27.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = ((t20.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t28.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t29 = (S.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t30 = t8 * t10 * M_Z
+    S32 = ((t20.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t31.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t33 = (t22.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t34 = t8 * t10 * M_Z
+    t35 = (t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t34.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))
+    t36 = (t35.permute(0, 2, 3, 1).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
+    S37 = ((t20.reshape((d_V, d_V, 1)) * t24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t33.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t34.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
+    t38 = (S37.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
+    S39 = ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S40 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t36.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t29 @ t38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcd,bdc->', S33, S35, optimize=[(0, 1)])
+    S42 = ((t20.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    return (1/n_batch) * (S42 * S40.sum((0,)).permute(0, 2, 1)).sum()
 
 
 def ce__block__X__X__full(X, Y):
@@ -2334,30 +2499,37 @@ def ce__block__X__X__full(X, Y):
     t22 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t23 = t10 * G
     t24 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t25 = t12 * P_Z
-    t26 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
+    t25 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t24.permute(1, 0).reshape((d_V, 1, d_V)))
+    t26 = t12 * P_Z
+    t27 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A27, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
-    t28 = t10 * M_Z
+    dA = ((t22.reshape((d_V, d_V, 1)) * A28.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A28.reshape((L, d_V, 1)) * A28.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t29 = t10 * M_Z
+    t30 = (t24.reshape((d_V, d_V, 1)) * t29.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t24, M_Z, optimize=[(0, 1), (0, 1)])
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
+    S = ((t22.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t30.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t31 = (S.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t32 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t24, M_Z, optimize=[(1, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
+    S34 = ((t22.reshape((d_V, d_V, 1)) * t23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t33.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t35 = (t24.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t36 = t10 * t12 * M_Z
+    t37 = (t31.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t36.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))
+    t38 = (t37.permute(0, 2, 3, 1).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t25, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t24, t32, optimize=[(0, 1), (0, 1)])
+    S39 = ((t22.reshape((d_V, d_V, 1)) * t26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t35.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t36.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
+    t40 = (S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)])
+    S41 = ((t22.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t35.permute(2, 0, 1) @ S34.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t25, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t24, t32, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t24, S33, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S34, optimize=[(0, 1)])
-    t36 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S42 = (2/d_V) * ((t22.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t31.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t26.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t35.permute(2, 0, 1) @ S34.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t38.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t31 @ t40.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S41.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t43 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = oe.contract('ab,c->cab', t22, t36, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t36, optimize=[(0, 1)])
-    t38 = (1/n_batch) * S37
-    t1 += oe.contract('abcd,bde->ceb', S35, t38, optimize=[(0, 1)])
+    S44 = ((t22.reshape((d_V**2, 1)) * t43.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t24.reshape((d_V**2, 1)) * t43.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t45 = (1/n_batch) * S44
+    t1 += ((t45.permute(0, 2, 1) @ S42.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
     return out
 
 
@@ -2396,31 +2568,40 @@ def ce__frobenius__X__X__full(X, Y):
     t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
     t21 = t8 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t23 = t10 * P_Z
-    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
+    t23 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t22.permute(1, 0).reshape((d_V, 1, d_V)))
+    t24 = t10 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t8 * M_Z
+    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t27 = t8 * M_Z
+    t28 = (t22.reshape((d_V, d_V, 1)) * t27.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = ((t20.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t28.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t29 = (S.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t30 = t8 * t10 * M_Z
+    S32 = ((t20.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t31.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
+    t33 = (t22.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
+    t34 = t8 * t10 * M_Z
+    t35 = (t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t34.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))
+    t36 = (t35.permute(0, 2, 3, 1).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((L, d_V, n_batch, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
+    S37 = ((t20.reshape((d_V, d_V, 1)) * t24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t33.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t34.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
+    t38 = (S37.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
+    S39 = ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
-    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S40 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t36.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t29 @ t38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    return t37
+    S42 = ((t20.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t43 = (S42.permute(0, 2, 1) @ S40.sum((0,)).permute(0, 2, 1))
+    t44 = (t43.permute(0, 2, 1) @ S42.permute(0, 2, 1))
+    t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return t46
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2447,49 +2628,61 @@ def ce__frobenius_split__X__X(X, Y):
     t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
     t14 = (-0.5 * (sigma2_Z ** -1.5))
     t15 = t14 * t1 * M_Z
+    t16 = (t13.reshape((d_V, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    S = ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
-    t17 = M_Z * P_Z
-    Z = t17
-    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t18 / t18.sum(-1, keepdim=True)
+    S17 = (1/L) * ((t12.reshape((d_V, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/(L*d_V)) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * t15.permute(2, 1, 0).reshape((d_V, L, 1, n_batch)))).permute(3, 1, 2, 0) + (-1/(L*d_V)) * ((S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t19 = t14 * M_Z
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    t20 = t14 * M_Z
+    t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
+    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t27 = (S24 @ S24.permute(0, 2, 1))
+    t28 = (t27 @ t26)
+    t29 = (t28 @ t25.permute(0, 2, 1))
+    t30 = (n_batch**(-2)) * (t29 * t26).sum()
     F = Z
-    t24 = torch.exp(F - F.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = t1 * A25
-    t27 = t26 - Y
-    t28 = (1/L) * t27
-    G = t28
-    t29 = t14 * G * M_Z
-    t30 = t29.sum(-1, keepdim=True)
-    t31 = t30.expand(*t30.shape[:-1], d_V)
-    t32 = t14 * G
-    t33 = (0.75 * (sigma2_Z ** -2.5))
-    t34 = t33 * G * M_Z
+    t31 = torch.exp(F - F.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t1 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t14 * G * M_Z
+    t37 = t36.sum(-1, keepdim=True)
+    t38 = t37.expand(*t37.shape[:-1], d_V)
+    t39 = t14 * G
+    t40 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t13.permute(1, 0).reshape((d_V, 1, d_V)))
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t13, M_Z, optimize=[(1, 2), (0, 1)])
+    S43 = ((t12.reshape((d_V, d_V, 1)) * t39.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t40.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t42.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)])
+    S44 = ((t12.reshape((d_V, d_V, 1)) * t38.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + ((t40.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t39.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + ((t16.permute(2, 0, 1) @ S43.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/d_V) * oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S36, optimize=[(0, 1)])
-    t38 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S37, S22, S37, S22, optimize=[(0, 1), (1, 2), (0, 1)])
-    t39 = (2/n_batch**2) * oe.contract('abcd,bde,bef,bfg,hbci,big->', S16, dA, S20, S22, S37, S22, optimize=[(0, 4), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t40 = t23 + t38 + t39
-    t41 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t42 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t43 = torch.sqrt(torch.clamp(t40, min=0.0))
-    return (t41, t42, t43,)
+    S45 = (2/d_V) * ((t12.reshape((d_V, d_V, 1)) * t38.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t40.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t39.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t16.permute(2, 0, 1) @ S43.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S44.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t46 = (S24.permute(0, 2, 1) @ S45.sum((0,)).permute(0, 2, 1))
+    t47 = (t46.permute(0, 2, 1) @ S24.permute(0, 2, 1))
+    t48 = (n_batch**(-2)) * (t47 * S45.sum((0,))).sum()
+    t49 = (S45.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t50 = (t27.permute(0, 2, 1) @ t49)
+    t51 = (2/n_batch**2) * (t50 * t26).sum()
+    t52 = t30 + t48 + t51
+    t53 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t54 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t55 = torch.sqrt(torch.clamp(t52, min=0.0))
+    return (t53, t54, t55,)
 
 
 VARIANTS = {

@@ -98,8 +98,8 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t14 = t12.permute(1, 2, 0)
+    t15 = t13.permute(1, 2, 0)
     t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
@@ -108,8 +108,8 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t20 = t11.transpose(-1, -2)
     t21 = t20 @ X
     t22 = (2/(L*d_K*d_V*n_batch)) * t19
-    t23 = oe.contract('abc->bca', t22, optimize=[(0,)])
-    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t23 = t22.permute(1, 2, 0)
+    t24 = t21.permute(1, 2, 0)
     t17[...] = oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = t25.view((d_V, d_K, d_V, d_V))
@@ -121,16 +121,16 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t31 = t7.transpose(-1, -2)
     t32 = t5 @ t31
     t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t30
-    t34 = oe.contract('abc->bca', t32, optimize=[(0,)])
-    t35 = oe.contract('abc->bca', t33, optimize=[(0,)])
+    t34 = t32.permute(1, 2, 0)
+    t35 = t33.permute(1, 2, 0)
     t26[...] = oe.contract('abc,dec->daeb', t34, t35, optimize=[(0, 1)])
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = t36.view((d_V, d_K, d_V, d_K))
     t38 = t21.transpose(-1, -2)
     t39 = t19.transpose(-1, -2)
     t40 = (2/(L*d_K*d_V*n_batch)) * t38
-    t41 = oe.contract('abc->bca', t40, optimize=[(0,)])
-    t42 = oe.contract('abc->bca', t39, optimize=[(0,)])
+    t41 = t40.permute(1, 2, 0)
+    t42 = t39.permute(1, 2, 0)
     t37[...] = oe.contract('abc,dec->adeb', t41, t42, optimize=[(0, 1)])
     t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
@@ -139,32 +139,32 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t47 = t18.transpose(-1, -2)
     t48 = t47 @ t18
     t49 = (2/(L*d_K*d_V*n_batch)) * t46
-    t50 = oe.contract('abc->bca', t48, optimize=[(0,)])
-    t51 = oe.contract('abc->bca', t49, optimize=[(0,)])
+    t50 = t48.permute(1, 2, 0)
+    t51 = t49.permute(1, 2, 0)
     t44[...] = oe.contract('abc,dec->daeb', t50, t51, optimize=[(0, 1)])
     t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t53 = t52.view((d_V, d_K, d_V, d_V))
     t54 = t2 @ t31
     t55 = t47 @ t29
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
-    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
-    t58 = oe.contract('abc->bca', t55, optimize=[(0,)])
+    t57 = t56.permute(1, 2, 0)
+    t58 = t55.permute(1, 2, 0)
     t53[...] = oe.contract('abc,dec->adeb', t57, t58, optimize=[(0, 1)])
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
     t61 = t30.transpose(-1, -2)
     t62 = t32.transpose(-1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t61
-    t64 = oe.contract('abc->bca', t62, optimize=[(0,)])
-    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
+    t64 = t62.permute(1, 2, 0)
+    t65 = t63.permute(1, 2, 0)
     t60[...] = oe.contract('abc,dec->daeb', t64, t65, optimize=[(0, 1)])
     t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t67 = t66.view((d_V, d_V, d_V, d_K))
     t68 = t55.transpose(-1, -2)
     t69 = t54.transpose(-1, -2)
     t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
-    t71 = oe.contract('abc->bca', t70, optimize=[(0,)])
-    t72 = oe.contract('abc->bca', t69, optimize=[(0,)])
+    t71 = t70.permute(1, 2, 0)
+    t72 = t69.permute(1, 2, 0)
     t67[...] = oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t73[...] = 0
@@ -174,7 +174,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = t76 @ t29
     t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t79 = (2/(L*d_V*n_batch)) * t78
-    t80 = oe.contract('abc->bc', t77, optimize=[(0,)])
+    t80 = t77.sum((0,))
     t75 += oe.contract('a,bc->bca', t79, t80, optimize=[(0, 1)])
     return H
 
@@ -237,50 +237,66 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = X @ W_Q
-    t14 = t0 @ t13
-    t15 = t9.transpose(-1, -2)
-    t16 = t15 @ X
-    t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t16, t14, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = t13 @ t3
-    t20 = (1/math.sqrt(d_K)) * t19
-    T = t20
-    t21 = T @ X
-    t22 = t0 @ t21
-    t23 = t5.transpose(-1, -2)
-    t24 = t3 @ t23
-    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t24, t22, t24, optimize=[(0, 2), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t16.transpose(-1, -2)
-    t28 = t14.transpose(-1, -2)
-    t29 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t28, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t7 @ X
-    t32 = t0 @ t31
-    t33 = t13.transpose(-1, -2)
-    t34 = t33 @ t13
-    t35 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t32, t34, t32, t34, optimize=[(0, 2), (0, 1), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = t0 @ t23
-    t38 = t33 @ t21
-    t39 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t37, t38, t37, t38, optimize=[(0, 2), (0, 1), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = t22.transpose(-1, -2)
-    t42 = t24.transpose(-1, -2)
-    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = t38.transpose(-1, -2)
-    t46 = t37.transpose(-1, -2)
-    t47 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t45, t46, t45, t46, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = t21.transpose(-1, -2)
-    t50 = t49 @ t21
-    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
+    t11 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t15 = X @ W_Q
+    t16 = t0 @ t15
+    t17 = t9.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = (t16.reshape((n_batch, d_K*d_V)) @ t16.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t20 = (t18.reshape((n_batch, d_K*d_V)) @ t18.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t20 * t19).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = t15 @ t3
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = T @ X
+    t26 = t0 @ t25
+    t27 = t5.transpose(-1, -2)
+    t28 = t3 @ t27
+    t29 = (t26.reshape((n_batch, d_V**2)) @ t26.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t30 = (t28.reshape((n_batch, d_K*d_V)) @ t28.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t31 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t30 * t29).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = t18.transpose(-1, -2)
+    t34 = t16.transpose(-1, -2)
+    t35 = (t33.reshape((n_batch, d_K*d_V)) @ t33.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t36 = (t34.reshape((n_batch, d_K*d_V)) @ t34.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t37 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t36 * t35).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = t7 @ X
+    t40 = t0 @ t39
+    t41 = t15.transpose(-1, -2)
+    t42 = t41 @ t15
+    t43 = (t40.reshape((n_batch, d_V**2)) @ t40.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t44 = (t42.reshape((n_batch, d_K**2)) @ t42.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t45 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t44 * t43).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    t47 = t0 @ t27
+    t48 = t41 @ t25
+    t49 = (t47.reshape((n_batch, d_V**2)) @ t47.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t50 = (t48.reshape((n_batch, d_K*d_V)) @ t48.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t51 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t50 * t49).sum()
     t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    return (t12, t18, t26, t30, t36, t40, t44, t48, t52,)
+    t53 = t26.transpose(-1, -2)
+    t54 = t28.transpose(-1, -2)
+    t55 = (t53.reshape((n_batch, d_V**2)) @ t53.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t56 = (t54.reshape((n_batch, d_K*d_V)) @ t54.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t57 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t56 * t55).sum()
+    t58 = torch.sqrt(torch.clamp(t57, min=0.0))
+    t59 = t48.transpose(-1, -2)
+    t60 = t47.transpose(-1, -2)
+    t61 = (t59.reshape((n_batch, d_K*d_V)) @ t59.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t62 = (t60.reshape((n_batch, d_V**2)) @ t60.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t63 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t62 * t61).sum()
+    t64 = torch.sqrt(torch.clamp(t63, min=0.0))
+    t65 = t25.transpose(-1, -2)
+    t66 = t65 @ t25
+    t67 = (4/(L**2*d_V*n_batch**2)) * (t66.sum((0,)) * t66.sum((0,))).sum()
+    t68 = torch.sqrt(torch.clamp(t67, min=0.0))
+    return (t14, t22, t32, t38, t46, t52, t58, t64, t68,)
 
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -303,8 +319,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -326,7 +342,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t1)
 
 
 def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -349,8 +365,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.permute(1, 2, 0)
+    t14 = t12.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -372,9 +388,11 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -397,8 +415,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t5 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
-    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t13 = t12.permute(1, 2, 0)
+    t14 = t11.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -420,9 +438,11 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t8 @ X
     t10 = t4 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t2.reshape((n_batch, d_K*d_V)) @ t2.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K*d_V)) @ t10.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -445,8 +465,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t3 @ t9
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t12 = oe.contract('abc->bca', t10, optimize=[(0,)])
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t12 = t10.permute(1, 2, 0)
+    t13 = t11.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -468,9 +488,11 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = X @ W_V
     t9 = t2 @ t8
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    t10 = (t7.reshape((n_batch, d_V**2)) @ t7.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t11 = (t9.reshape((n_batch, d_K*d_V)) @ t9.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t11 * t10).sum()
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -493,8 +515,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -516,7 +538,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t6)
 
 
 def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -539,8 +561,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t1
     t11 = t10 @ X
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
-    t13 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t11, optimize=[(0,)])
+    t13 = t12.permute(1, 2, 0)
+    t14 = t11.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -562,9 +584,11 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = W_Q.transpose(-1, -2)
     t9 = t8 @ t0
     t10 = t9 @ X
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t7.reshape((n_batch, d_K*d_V)) @ t7.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K*d_V)) @ t10.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -587,8 +611,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.permute(1, 2, 0)
+    t14 = t12.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -610,9 +634,11 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t6.reshape((n_batch, d_V**2)) @ t6.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -637,8 +663,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ X
     t12 = t5 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
-    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = t13.permute(1, 2, 0)
+    t15 = t12.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -662,9 +688,11 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = T @ X
     t11 = t4 @ t10
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t12 = (t2.reshape((n_batch, d_V**2)) @ t2.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t13 = (t11.reshape((n_batch, d_K*d_V)) @ t11.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t13 * t12).sum()
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -688,7 +716,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t13 = oe.contract('abb->b', t10)
     t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -710,7 +738,7 @@ def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t9)
 
 
 def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -736,8 +764,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t3.transpose(-1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
+    t15 = t13.permute(1, 2, 0)
+    t16 = t14.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -762,9 +790,11 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t0
     t11 = t2.transpose(-1, -2)
     t12 = t10 @ t11
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = (t8.reshape((n_batch, d_V**2)) @ t8.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t14 = (t12.reshape((n_batch, d_K*d_V)) @ t12.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -790,8 +820,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t12 @ X
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
-    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = t14.permute(1, 2, 0)
+    t16 = t13.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -816,9 +846,11 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
     t12 = t11 @ X
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = (t9.reshape((n_batch, d_K*d_V)) @ t9.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (t12.reshape((n_batch, d_V**2)) @ t12.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -844,7 +876,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t14 = t11.sum((0,))
     t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -866,7 +898,7 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
     t11 = torch.sqrt(torch.clamp(t10, min=0.0))
     return t11
 
@@ -903,22 +935,22 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t20 = t17.sum((0,))
     t3 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = t21.view((d_V, d_K, d_V, d_V))
     t23 = t4 @ G
     t24 = t6 @ X
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t26 = oe.contract('abc->bca', t25, optimize=[(0,)])
-    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
+    t26 = t25.permute(1, 2, 0)
+    t27 = t24.permute(1, 2, 0)
     t22[...] = oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
     t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28[...] = 0
     t29 = t28.view((d_V, d_K, d_V, d_K))
     t30 = t29.diagonal(0, 1, 3)
     t31 = t17.transpose(-1, -2)
-    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
+    t32 = t31.sum((0,))
     t30 += oe.contract('a,bc->bca', t19, t32, optimize=[(0, 1)])
     t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33[...] = 0
@@ -929,21 +961,21 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t38 = t37 @ t4
     t39 = t38 @ G
     t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t41 = oe.contract('abc->bca', t39, optimize=[(0,)])
-    t42 = oe.contract('abc->bca', t40, optimize=[(0,)])
+    t41 = t39.permute(1, 2, 0)
+    t42 = t40.permute(1, 2, 0)
     t35[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
     t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t44 = t43.view((d_V, d_V, d_V, d_K))
     t45 = t24.transpose(-1, -2)
     t46 = t23.transpose(-1, -2)
     t47 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t48 = oe.contract('abc->bca', t47, optimize=[(0,)])
-    t49 = oe.contract('abc->bca', t46, optimize=[(0,)])
+    t48 = t47.permute(1, 2, 0)
+    t49 = t46.permute(1, 2, 0)
     t44[...] = oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t51 = t50.view((d_V, d_V, d_V, d_K))
     t52 = t39.transpose(-1, -2)
-    t53 = oe.contract('abc->bca', t52, optimize=[(0,)])
+    t53 = t52.permute(1, 2, 0)
     t51[...] = oe.contract('abc,dec->daeb', t53, t42, optimize=[(0, 1)])
     t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t54[...] = 0
@@ -1023,29 +1055,36 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t11 = G @ t10
     t12 = t11 @ X
     t13 = t0 @ t12
-    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t14 = (n_batch**(-2)) * (t13.sum((0,)) * t13.sum((0,))).sum()
     t15 = torch.sqrt(torch.clamp(t14, min=0.0))
     t16 = t0 @ G
     t17 = t2 @ X
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t16, t17, t16, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t13.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = t0 @ X
-    t24 = W_Q.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = t25 @ G
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t26, t23, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = t17.transpose(-1, -2)
-    t30 = t16.transpose(-1, -2)
-    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t29, t30, t29, t30, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = (t16.reshape((n_batch, d_V**2)) @ t16.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t19 = (t17.reshape((n_batch, d_K*d_V)) @ t17.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = t13.transpose(-1, -2)
+    t23 = (n_batch**(-2)) * (t22.sum((0,)) * t22.sum((0,))).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = t0 @ X
+    t26 = W_Q.transpose(-1, -2)
+    t27 = t26 @ t0
+    t28 = t27 @ G
+    t29 = (t25.reshape((n_batch, d_V**2)) @ t25.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t30 = (t28.reshape((n_batch, d_K*d_V)) @ t28.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t31 = (1/(d_K*n_batch**2)) * (t30 * t29).sum()
     t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = t26.transpose(-1, -2)
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t23, t33, t23, t33, optimize=[(0, 2), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (0.0, t15, t19, t22, 0.0, t28, t32, t35, 0.0,)
+    t33 = t17.transpose(-1, -2)
+    t34 = t16.transpose(-1, -2)
+    t35 = (t33.reshape((n_batch, d_K*d_V)) @ t33.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t36 = (t34.reshape((n_batch, d_V**2)) @ t34.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t37 = (1/(d_K*n_batch**2)) * (t36 * t35).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = t28.transpose(-1, -2)
+    t40 = (t39.reshape((n_batch, d_K*d_V)) @ t39.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t29).sum()
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    return (0.0, t15, t21, t24, 0.0, t32, t38, t42, 0.0,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1117,7 +1156,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = oe.contract('abc->bc', t15, optimize=[(0,)])
+    t18 = t15.sum((0,))
     t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
     return out
 
@@ -1145,7 +1184,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G @ t10
     t12 = t11 @ X
     t13 = t0 @ t12
-    t14 = (n_batch**(-2)) * oe.contract('abc,dbc->', t13, t13, optimize=[(0, 1)])
+    t14 = (n_batch**(-2)) * (t13.sum((0,)) * t13.sum((0,))).sum()
     t15 = torch.sqrt(torch.clamp(t14, min=0.0))
     return t15
 
@@ -1174,8 +1213,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = t1 @ G
     t12 = t3 @ X
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
-    t14 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t14 = t13.permute(1, 2, 0)
+    t15 = t12.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -1201,9 +1240,11 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t9
     t10 = t0 @ G
     t11 = t2 @ X
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t10, t11, t10, t11, optimize=[(0, 2), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t12 = (t10.reshape((n_batch, d_V**2)) @ t10.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t13 = (t11.reshape((n_batch, d_K*d_V)) @ t11.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (1/(d_K*n_batch**2)) * (t13 * t12).sum()
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1256,7 +1297,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = oe.contract('abc->bc', t16, optimize=[(0,)])
+    t19 = t16.sum((0,))
     t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -1285,7 +1326,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = X @ t11
     t13 = t12 @ X
     t14 = t0 @ t13
-    t15 = (n_batch**(-2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
+    t15 = (n_batch**(-2)) * (t14.sum((0,)) * t14.sum((0,))).sum()
     t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     return t16
 
@@ -1336,8 +1377,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t4 @ G
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t16 = t14.permute(1, 2, 0)
+    t17 = t15.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1365,9 +1406,11 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = t3 @ G
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t15 = (t13.reshape((n_batch, d_K*d_V)) @ t13.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t16 = (1/(d_K*n_batch**2)) * (t15 * t14).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1415,8 +1458,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = t12 @ X
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t15 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t16 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t15 = t14.permute(1, 2, 0)
+    t16 = t13.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -1443,9 +1486,11 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t10
     t11 = G.transpose(-1, -2)
     t12 = t11 @ X
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t12, t2, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = (t2.reshape((n_batch, d_K*d_V)) @ t2.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (t12.reshape((n_batch, d_V**2)) @ t12.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t15 = (1/(d_K*n_batch**2)) * (t14 * t13).sum()
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1474,8 +1519,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = t12 @ t13
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = oe.contract('abc->bca', t14, optimize=[(0,)])
-    t17 = oe.contract('abc->bca', t15, optimize=[(0,)])
+    t16 = t14.permute(1, 2, 0)
+    t17 = t15.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -1503,9 +1548,11 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = X @ W_Q
     t13 = t11 @ t12
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t13, t1, t13, optimize=[(0, 2), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t15 = (t13.reshape((n_batch, d_K*d_V)) @ t13.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t16 = (1/(d_K*n_batch**2)) * (t15 * t14).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1549,8 +1596,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
+    t14 = t12.permute(1, 2, 0)
+    t15 = t13.permute(1, 2, 0)
     t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
@@ -1558,8 +1605,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t19 = t11.transpose(-1, -2)
     t20 = t19 @ X
     t21 = (2/(L*d_K*d_V*n_batch)) * t2
-    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
+    t23 = t20.permute(1, 2, 0)
     t24 = t17.diagonal(0, 1, 3)
     t25 = t18 @ t5
     t26 = (1/math.sqrt(d_K)) * t25
@@ -1574,7 +1621,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
+    t35 = ((t32.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
     t17[...] = oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     t24 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -1582,11 +1629,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t5 @ X
     t39 = T @ X
     t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
-    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
+    t41 = ((W_V.permute(1, 0) @ t38.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
+    t42 = ((t39.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
-    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
+    t44 = ((G.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
+    t45 = t38.permute(1, 2, 0)
     t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
     t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
     t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -1596,12 +1643,12 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t50 = t18.transpose(-1, -2)
     t51 = t50 @ X
     t52 = (2/(L*d_K*d_V*n_batch)) * t48
-    t53 = oe.contract('abc,acd->bda', t52, t49, optimize=[(0, 1)])
-    t54 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t53 = ((t49.permute(0, 2, 1) @ t52.permute(0, 2, 1))).permute(2, 1, 0)
+    t54 = t51.permute(1, 2, 0)
     t55 = t47.diagonal(0, 1, 3)
     t56 = G.transpose(-1, -2)
     t57 = t56 @ X
-    t58 = oe.contract('abc,acd->bd', t48, t57, optimize=[(0, 1)])
+    t58 = ((t57.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t48.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))).permute(1, 0)
     t47[...] = oe.contract('abc,dec->adeb', t53, t54, optimize=[(0, 1)])
     t55 += oe.contract('a,bc->bca', t34, t58, optimize=[(0, 1)])
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -1610,38 +1657,38 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t62 = t2 @ t61
     t63 = t50 @ t18
     t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t65 = oe.contract('abc->bca', t63, optimize=[(0,)])
-    t66 = oe.contract('abc->bca', t64, optimize=[(0,)])
+    t65 = t63.permute(1, 2, 0)
+    t66 = t64.permute(1, 2, 0)
     t60[...] = oe.contract('abc,dec->daeb', t65, t66, optimize=[(0, 1)])
     t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_K, d_V, d_V))
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t70 = oe.contract('abc,acd->bda', t69, G, optimize=[(0, 1)])
-    t71 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t70 = ((G.permute(0, 2, 1) @ t69.permute(0, 2, 1))).permute(2, 1, 0)
+    t71 = t3.permute(1, 2, 0)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
-    t74 = oe.contract('abc,acd->bda', t72, t39, optimize=[(0, 1)])
+    t73 = ((W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))).permute(2, 0, 1)
+    t74 = ((t39.permute(0, 2, 1) @ t72.permute(0, 2, 1))).permute(2, 1, 0)
     t68[...] = oe.contract('abc,dec->daeb', t70, t71, optimize=[(0, 1)])
     t68 += oe.contract('abc,dec->adeb', t73, t74, optimize=[(0, 1)])
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t76 = t75.view((d_V, d_V, d_V, d_K))
     t77 = T.transpose(-1, -2)
     t78 = t77 @ X
-    t79 = oe.contract('abc->bca', t49, optimize=[(0,)])
-    t80 = oe.contract('abc,acd->bda', t40, t78, optimize=[(0, 1)])
-    t81 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
-    t82 = oe.contract('abc->bca', t57, optimize=[(0,)])
+    t79 = t49.permute(1, 2, 0)
+    t80 = ((t78.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
+    t81 = ((t10.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
+    t82 = t57.permute(1, 2, 0)
     t76[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
     t76 += oe.contract('abc,dec->adeb', t81, t82, optimize=[(0, 1)])
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = t83.view((d_V, d_V, d_V, d_K))
     t85 = t56 @ t18
-    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
-    t87 = oe.contract('abc,acd->bda', t43, X, optimize=[(0, 1)])
+    t86 = t85.permute(1, 2, 0)
+    t87 = ((X.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
     t88 = t77 @ t18
     t89 = t48.transpose(-1, -2)
-    t90 = oe.contract('abc,acd->bda', t40, t88, optimize=[(0, 1)])
-    t91 = oe.contract('abc->bca', t89, optimize=[(0,)])
+    t90 = ((t88.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
+    t91 = t89.permute(1, 2, 0)
     t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
     t84 += oe.contract('abc,dec->adeb', t90, t91, optimize=[(0, 1)])
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -1652,7 +1699,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t39
     t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t99 = oe.contract('abc->bc', t96, optimize=[(0,)])
+    t99 = t96.sum((0,))
     t94 += oe.contract('a,bc->bca', t98, t99, optimize=[(0, 1)])
     return H
 
@@ -1738,58 +1785,113 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = W_Q @ t3
-    t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    T = t15
-    t16 = t5.transpose(-1, -2)
-    t17 = T @ t16
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G @ t5
-    t21 = t20 @ X
-    t22 = X @ W_Q
-    t23 = t9.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t21, t0, t22, t24, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t22, t24, t0, t22, t24, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t3 @ X
-    t28 = T @ X
-    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t27, t28, W_V, t0, t27, t28, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t27, t28, W_V, t0, t27, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t27, G, t0, t27, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t0 @ t16
-    t32 = G.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t5 @ t8
-    t35 = t22.transpose(-1, -2)
-    t36 = t35 @ X
-    t37 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t31, t33, t31, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t31, t33, t31, t34, t36, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t31, t34, t36, t31, t34, t36, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = t7 @ X
-    t40 = t0 @ t39
-    t41 = t35 @ t22
-    t42 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t40, t41, t40, t41, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t35, G, t1, t35, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t35, G, t1, t35, W_V, t28, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t35, W_V, t28, t1, t35, W_V, t28, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = T.transpose(-1, -2)
-    t47 = t46 @ X
-    t48 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t47, t34, t0, t47, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t47, t34, t0, t8, t33, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t33, t0, t8, t33, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
-    t50 = t32 @ t22
-    t51 = t46 @ t22
-    t52 = t31.transpose(-1, -2)
-    t53 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t50, t0, t51, t52, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t51, t52, t0, t51, t52, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
-    t55 = t28.transpose(-1, -2)
-    t56 = t55 @ t28
-    t57 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t56, t56, optimize=[(0, 1)])
-    t58 = torch.sqrt(torch.clamp(t57, min=0.0))
-    return (t12, t26, t30, t38, t43, t45, t49, t54, t58,)
+    t11 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t15 = W_Q @ t3
+    t16 = X @ t15
+    t17 = (1/math.sqrt(d_K)) * t16
+    T = t17
+    t18 = t5.transpose(-1, -2)
+    t19 = T @ t18
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G @ t5
+    t23 = t22 @ X
+    t24 = (t23.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t25 = X @ W_Q
+    t26 = t9.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = (t27.permute(0, 2, 1) @ t25.permute(0, 2, 1))
+    t29 = (t24 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t30 = (t27.reshape((n_batch, d_K*d_V)) @ t27.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (t25.reshape((L*n_batch, d_K)) @ t25.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = (t32.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t34 = (n_batch**(-2)) * (t24 * t24).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t29 * t28.permute(1, 0, 2)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t33 * t30).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = t3 @ X
+    t37 = T @ X
+    t38 = (t37.reshape((L*n_batch, d_V)) @ t37.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = (t38.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t40 = (W_V @ W_V.permute(1, 0))
+    t41 = (t40 @ t36.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t42 = (t41.permute(1, 0, 2).reshape((n_batch, d_K*d_V)) @ t36.permute(2, 1, 0).reshape((d_K*d_V, n_batch)))
+    t43 = (G.reshape((L*n_batch, d_V)) @ W_V.permute(1, 0)).reshape((n_batch, L, d_V))
+    t44 = (t43.reshape((L*n_batch, d_V)) @ t36.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((n_batch, L, n_batch, d_K))
+    t45 = (t44.reshape((n_batch, L*n_batch, d_K)) @ t36).reshape((n_batch, L, n_batch, d_V))
+    t46 = (t45.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ t37.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t47 = (t36.reshape((n_batch, d_K*d_V)) @ t36.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t48 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t49 = (t48.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t50 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t42 * t39.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t46 * t31.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t49 * t47).sum()
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    t52 = t0 @ t18
+    t53 = G.transpose(-1, -2)
+    t54 = t53 @ X
+    t55 = (t54.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t52.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))
+    t56 = t5 @ t8
+    t57 = t25.transpose(-1, -2)
+    t58 = t57 @ X
+    t59 = (t56.permute(0, 2, 1) @ t52.permute(0, 2, 1))
+    t60 = (t59.permute(2, 0, 1).reshape((d_V, d_K*n_batch)) @ t58.reshape((d_K*n_batch, d_V)))
+    t61 = (t58.reshape((n_batch, d_K*d_V)) @ t58.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t62 = (t59.reshape((n_batch, d_K*d_V)) @ t59.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t63 = (n_batch**(-2)) * (t55 * t55).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t60 * t55.permute(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t62 * t61).sum()
+    t64 = torch.sqrt(torch.clamp(t63, min=0.0))
+    t65 = t7 @ X
+    t66 = t0 @ t65
+    t67 = t57 @ t25
+    t68 = (t66.reshape((n_batch, d_V**2)) @ t66.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t69 = (t67.reshape((n_batch, d_K**2)) @ t67.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t70 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t69 * t68).sum()
+    t71 = torch.sqrt(torch.clamp(t70, min=0.0))
+    t72 = (t57.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t57.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t73 = (t48.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t72.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t74 = (W_V @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t75 = (t37.reshape((L*n_batch, d_V)) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t76 = (t75.reshape((n_batch, L*n_batch, d_V)) @ t1).reshape((n_batch, L, n_batch, d_V))
+    t77 = (t76.permute(2, 3, 0, 1).reshape((n_batch, d_V, L*n_batch)) @ t72.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)))
+    t78 = (t38.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t72.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t79 = (t40 @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t80 = (t79.permute(1, 0, 2).reshape((n_batch, d_V**2)) @ t1.permute(2, 1, 0).reshape((d_V**2, n_batch)))
+    t81 = (1/(d_K*n_batch**2)) * (t73 * t11).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t77 * t74.permute(1, 0, 2)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t80 * t78.permute(1, 0)).sum()
+    t82 = torch.sqrt(torch.clamp(t81, min=0.0))
+    t83 = T.transpose(-1, -2)
+    t84 = t83 @ X
+    t85 = (t56.reshape((n_batch, d_K*d_V)) @ t56.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t86 = (t84.reshape((L*n_batch, d_V)) @ t84.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t87 = (t86.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t88 = (t8.reshape((L*n_batch, d_K)) @ t56.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t89 = (t88.reshape((n_batch, L*n_batch, d_V)) @ t54).reshape((n_batch, L, n_batch, d_V))
+    t90 = (t89.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ t84.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t91 = (t54.reshape((n_batch, d_V**2)) @ t54.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t92 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t93 = (t92.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t94 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t87 * t85).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t90 * t31.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t93 * t91).sum()
+    t95 = torch.sqrt(torch.clamp(t94, min=0.0))
+    t96 = t53 @ t25
+    t97 = (t96.reshape((n_batch, d_K*d_V)) @ t96.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t98 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t99 = (t98.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t100 = t83 @ t25
+    t101 = t52.transpose(-1, -2)
+    t102 = (t100.reshape((L*n_batch, d_K)) @ t96.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t103 = (t102.reshape((n_batch, L*n_batch, d_V)) @ t101).reshape((n_batch, L, n_batch, d_V))
+    t104 = (t103.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ X.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t105 = (t101.reshape((n_batch, d_V**2)) @ t101.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t106 = (t100.reshape((L*n_batch, d_K)) @ t100.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t107 = (t106.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t108 = (1/(d_K*n_batch**2)) * (t99 * t97).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t104 * t31.permute(2, 0, 1, 3)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t107 * t105).sum()
+    t109 = torch.sqrt(torch.clamp(t108, min=0.0))
+    t110 = t37.transpose(-1, -2)
+    t111 = t110 @ t37
+    t112 = (4/(L**2*d_V*n_batch**2)) * (t111.sum((0,)) * t111.sum((0,))).sum()
+    t113 = torch.sqrt(torch.clamp(t112, min=0.0))
+    return (t14, t35, t51, t64, t71, t82, t95, t109, t113,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1812,8 +1914,8 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1835,7 +1937,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t1, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t1)
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1858,8 +1960,8 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.permute(1, 2, 0)
+    t14 = t12.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -1881,9 +1983,11 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -1905,8 +2009,8 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t4 @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t12 = oe.contract('abc,acd->bda', t11, t2, optimize=[(0, 1)])
-    t13 = oe.contract('abc->bca', t10, optimize=[(0,)])
+    t12 = ((t2.permute(0, 2, 1) @ t11.permute(0, 2, 1))).permute(2, 1, 0)
+    t13 = t10.permute(1, 2, 0)
     t14 = t0.diagonal(0, 1, 3)
     t15 = t2 @ t4
     t16 = (1/math.sqrt(d_K)) * t15
@@ -1921,7 +2025,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
+    t25 = ((t22.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
     t0[...] = oe.contract('abc,dec->adeb', t12, t13, optimize=[(0, 1)])
     t14 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
@@ -1949,13 +2053,20 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t6.transpose(-1, -2)
     t11 = G @ t10
     t12 = t11 @ X
-    t13 = X @ W_Q
-    t14 = t6 @ t10
-    t15 = t14 @ X
-    t16 = t2 @ t15
-    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t12, t0, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t12, t0, t13, t16, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t13, t16, t0, t13, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t13 = (t12.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t14 = X @ W_Q
+    t15 = t6 @ t10
+    t16 = t15 @ X
+    t17 = t2 @ t16
+    t18 = (t17.permute(0, 2, 1) @ t14.permute(0, 2, 1))
+    t19 = (t13 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t20 = (t17.reshape((n_batch, d_K*d_V)) @ t17.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (t22.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t21.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t24 = (n_batch**(-2)) * (t13 * t13).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t19 * t18.permute(1, 0, 2)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -1976,16 +2087,16 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
-    t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
+    t10 = ((W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
+    t11 = ((t8.permute(0, 2, 1) @ t9.permute(0, 2, 1))).permute(2, 1, 0)
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t16 = ((G.permute(0, 2, 1) @ t15.permute(0, 2, 1))).permute(2, 1, 0)
+    t17 = t4.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
     return out
@@ -2006,14 +2117,27 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     T = t6
     t7 = T @ X
-    t8 = t7 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t7.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t9.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t8.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t11 = (W_V @ W_V.permute(1, 0))
+    t12 = (t11 @ t3.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t13 = (t12.permute(1, 0, 2).reshape((n_batch, d_K*d_V)) @ t3.permute(2, 1, 0).reshape((d_K*d_V, n_batch)))
+    t14 = t7 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = (G.reshape((L*n_batch, d_V)) @ W_V.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (t17.reshape((L*n_batch, d_V)) @ t3.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((n_batch, L, n_batch, d_K))
+    t19 = (t18.reshape((n_batch, L*n_batch, d_K)) @ t3).reshape((n_batch, L, n_batch, d_V))
+    t20 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ t7.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t21 = (t3.reshape((n_batch, d_K*d_V)) @ t3.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (t22.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t8.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t13 * t10.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t20 * t8.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t23 * t21).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2036,8 +2160,8 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abb->ba', t11, optimize=[(0,)])
-    t14 = oe.contract('abb->ba', t12, optimize=[(0,)])
+    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
     t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2059,7 +2183,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t6, t10, optimize=[(0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->', t10, t6)
 
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2080,8 +2204,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t1
     t9 = t8 @ X
     t10 = (2/(L*d_K*d_V*n_batch)) * t3
-    t11 = oe.contract('abc,acd->bda', t10, t6, optimize=[(0, 1)])
-    t12 = oe.contract('abc->bca', t9, optimize=[(0,)])
+    t11 = ((t6.permute(0, 2, 1) @ t10.permute(0, 2, 1))).permute(2, 1, 0)
+    t12 = t9.permute(1, 2, 0)
     t13 = t0.diagonal(0, 1, 3)
     t14 = t8.transpose(-1, -2)
     t15 = t5.transpose(-1, -2)
@@ -2097,7 +2221,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t3, t22, optimize=[(0, 1)])
+    t25 = ((t22.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t3.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))).permute(1, 0)
     t0[...] = oe.contract('abc,dec->adeb', t11, t12, optimize=[(0, 1)])
     t13 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     return out
@@ -2125,15 +2249,20 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t10
     t11 = G.transpose(-1, -2)
     t12 = t11 @ X
-    t13 = t1.transpose(-1, -2)
-    t14 = t4.transpose(-1, -2)
-    t15 = t13 @ t14
-    t16 = W_Q.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    t19 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t12, t2, t12, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t12, t2, t15, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t15, t18, t2, t15, t18, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t13 = (t12.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t2.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))
+    t14 = t1.transpose(-1, -2)
+    t15 = t4.transpose(-1, -2)
+    t16 = t14 @ t15
+    t17 = W_Q.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    t20 = (t16.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t21 = (t20.permute(2, 0, 1).reshape((d_V, d_K*n_batch)) @ t19.reshape((d_K*n_batch, d_V)))
+    t22 = (t19.reshape((n_batch, d_K*d_V)) @ t19.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t23 = (t20.reshape((n_batch, d_K*d_V)) @ t20.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t24 = (n_batch**(-2)) * (t13 * t13).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t21 * t13.permute(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t23 * t22).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2156,8 +2285,8 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = oe.contract('abc->bca', t11, optimize=[(0,)])
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
+    t13 = t11.permute(1, 2, 0)
+    t14 = t12.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2179,9 +2308,11 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t6.reshape((n_batch, d_V**2)) @ t6.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2209,12 +2340,12 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t15 = oe.contract('abc,acd->bda', t14, G, optimize=[(0, 1)])
-    t16 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t15 = ((G.permute(0, 2, 1) @ t14.permute(0, 2, 1))).permute(2, 1, 0)
+    t16 = t2.permute(1, 2, 0)
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t19 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd->bda', t18, t17, optimize=[(0, 1)])
+    t19 = ((W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))).permute(2, 0, 1)
+    t20 = ((t17.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
     t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
@@ -2242,10 +2373,23 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = T @ X
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t13, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t13, t1, t3, W_V, t13, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t13 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t3.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t14.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t17 = T @ X
+    t18 = (W_V @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t19 = (t17.reshape((L*n_batch, d_V)) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t20 = (t19.reshape((n_batch, L*n_batch, d_V)) @ t1).reshape((n_batch, L, n_batch, d_V))
+    t21 = (t20.permute(2, 3, 0, 1).reshape((n_batch, d_V, L*n_batch)) @ t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)))
+    t22 = (W_V @ W_V.permute(1, 0))
+    t23 = (t17.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t23.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t14.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t25 = (t22 @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t26 = (t25.permute(1, 0, 2).reshape((n_batch, d_V**2)) @ t1.permute(2, 1, 0).reshape((d_V**2, n_batch)))
+    t27 = (1/(d_K*n_batch**2)) * (t16 * t13).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t21 * t18.permute(1, 0, 2)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t26 * t24.permute(1, 0)).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2269,7 +2413,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10, optimize=[(0,)])
+    t13 = oe.contract('abb->b', t10)
     t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -2291,7 +2435,7 @@ def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t9)
 
 
 def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2316,8 +2460,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t3.transpose(-1, -2)
     t12 = t10 @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t14 = oe.contract('abc->bca', t12, optimize=[(0,)])
-    t15 = oe.contract('abc,acd->bda', t13, t8, optimize=[(0, 1)])
+    t14 = t12.permute(1, 2, 0)
+    t15 = ((t8.permute(0, 2, 1) @ t13.permute(0, 2, 1))).permute(2, 1, 0)
     t16 = t10.transpose(-1, -2)
     t17 = T @ t16
     F = t17
@@ -2327,8 +2471,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     t21 = t20 @ X
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = oe.contract('abc,acd->bda', t22, t11, optimize=[(0, 1)])
-    t24 = oe.contract('abc->bca', t21, optimize=[(0,)])
+    t23 = ((t11.permute(0, 2, 1) @ t22.permute(0, 2, 1))).permute(2, 1, 0)
+    t24 = t21.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
     return out
@@ -2353,17 +2497,27 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t0
     t10 = t2.transpose(-1, -2)
     t11 = t9 @ t10
-    t12 = t9.transpose(-1, -2)
-    t13 = T @ t12
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = G.transpose(-1, -2)
-    t17 = t16 @ X
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t17, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t17, t0, t10, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t12 = (t11.reshape((n_batch, d_K*d_V)) @ t11.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t13 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t7.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t14.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t13.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t16 = t9.transpose(-1, -2)
+    t17 = T @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = (t10.reshape((L*n_batch, d_K)) @ t11.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t23 = (t22.reshape((n_batch, L*n_batch, d_V)) @ t21).reshape((n_batch, L, n_batch, d_V))
+    t24 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ t7.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t25 = (t21.reshape((n_batch, d_V**2)) @ t21.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t26 = (t10.reshape((L*n_batch, d_K)) @ t10.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = (t26.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t13.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t15 * t12).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t24 * t13.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t27 * t25).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2391,15 +2545,15 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = t11 @ t12
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('abc->bca', t13, optimize=[(0,)])
-    t16 = oe.contract('abc,acd->bda', t14, X, optimize=[(0, 1)])
+    t15 = t13.permute(1, 2, 0)
+    t16 = ((X.permute(0, 2, 1) @ t14.permute(0, 2, 1))).permute(2, 1, 0)
     t17 = T.transpose(-1, -2)
     t18 = t17 @ t12
     t19 = t7.transpose(-1, -2)
     t20 = t19 @ X
     t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t22 = oe.contract('abc,acd->bda', t21, t18, optimize=[(0, 1)])
-    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
+    t23 = t20.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
     t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     return out
@@ -2427,13 +2581,23 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = G.transpose(-1, -2)
     t11 = X @ W_Q
     t12 = t10 @ t11
-    t13 = T.transpose(-1, -2)
-    t14 = t13 @ t11
-    t15 = t6.transpose(-1, -2)
-    t16 = t15 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t12, t0, X, t12, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t12, t0, t14, t16, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t14, t16, t0, t14, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t13 = (t12.reshape((n_batch, d_K*d_V)) @ t12.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t14.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t17 = T.transpose(-1, -2)
+    t18 = t17 @ t11
+    t19 = t6.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = (t18.reshape((L*n_batch, d_K)) @ t12.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t22 = (t21.reshape((n_batch, L*n_batch, d_V)) @ t20).reshape((n_batch, L, n_batch, d_V))
+    t23 = (t22.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ X.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t24 = (t20.reshape((n_batch, d_V**2)) @ t20.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t25 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (t25.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t14.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t27 = (1/(d_K*n_batch**2)) * (t16 * t13).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t23 * t14.permute(2, 0, 1, 3)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t26 * t24).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2459,7 +2623,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = oe.contract('abc->bc', t11, optimize=[(0,)])
+    t14 = t11.sum((0,))
     t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
     return out
 
@@ -2481,7 +2645,7 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
     t11 = torch.sqrt(torch.clamp(t10, min=0.0))
     return t11
 
@@ -2503,11 +2667,13 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t8 = t3.transpose(-1, -2)
     t9 = t7 @ t8
     t10 = t3 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t11 + 0.0 + 0.0
-    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return (t13, 0.0, t14,)
+    t11 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t13 + 0.0 + 0.0
+    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return (t15, 0.0, t16,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -2527,26 +2693,29 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t8 @ X
     t10 = t4 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t1 @ t4
-    t13 = (1/math.sqrt(d_K)) * t12
-    T = t13
-    t14 = t6.transpose(-1, -2)
-    t15 = T @ t14
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G @ t6
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
-    t22 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t20, optimize=[(0, 1), (0, 1)])
-    t23 = t11 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t11 = (t2.reshape((n_batch, d_K*d_V)) @ t2.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K*d_V)) @ t10.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t1 @ t4
+    t15 = (1/math.sqrt(d_K)) * t14
+    T = t15
+    t16 = t6.transpose(-1, -2)
+    t17 = T @ t16
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G @ t6
+    t21 = t20 @ X
+    t22 = t0 @ t21
+    t23 = (n_batch**(-2)) * (t22.sum((0,)) * t22.sum((0,))).sum()
+    t24 = (t10.permute(2, 0, 1).reshape((d_V, d_K*n_batch)) @ t2.permute(0, 2, 1).reshape((d_K*n_batch, d_V)))
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t24 * t22.sum((0,)).permute(1, 0)).sum()
+    t26 = t13 + t23 + t25
+    t27 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -2566,21 +2735,27 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t7 = t0 @ t6
     t8 = X @ W_V
     t9 = t2 @ t8
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
-    t11 = T @ t8
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = t0 @ G
-    t15 = t2 @ X
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t14, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t18 = t10 + t16 + t17
-    t19 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, t20, t21,)
+    t10 = (t7.reshape((n_batch, d_V**2)) @ t7.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t11 = (t9.reshape((n_batch, d_K*d_V)) @ t9.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t11 * t10).sum()
+    t13 = T @ t8
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t0 @ G
+    t17 = t2 @ X
+    t18 = (t16.reshape((n_batch, d_V**2)) @ t16.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t19 = (t17.reshape((n_batch, d_K*d_V)) @ t17.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = (t16.permute(0, 2, 1).reshape((d_V*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, d_V*n_batch))).reshape((n_batch, d_V, n_batch, d_V))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((d_V*n_batch, d_V*n_batch)) @ t9.permute(2, 0, 1).reshape((d_V*n_batch, d_K))).reshape((n_batch, d_V, d_K))
+    t23 = (4/(L*d_K*d_V*n_batch**2)) * (t22 * t17.permute(0, 2, 1)).sum()
+    t24 = t12 + t20 + t23
+    t25 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
 
 
 def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2600,29 +2775,32 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t8 = W_Q.transpose(-1, -2)
     t9 = t8 @ t0
     t10 = t9 @ X
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t2.transpose(-1, -2)
-    t13 = t9.transpose(-1, -2)
-    t14 = t5.transpose(-1, -2)
-    t15 = t13 @ t14
-    t16 = (1/math.sqrt(d_K)) * t15
-    T = t16
-    t17 = T @ t12
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = t12 @ t20
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t23, optimize=[(0, 1), (0, 1)])
-    t26 = t11 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    t11 = (t7.reshape((n_batch, d_K*d_V)) @ t7.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K*d_V)) @ t10.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t2.transpose(-1, -2)
+    t15 = t9.transpose(-1, -2)
+    t16 = t5.transpose(-1, -2)
+    t17 = t15 @ t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    T = t18
+    t19 = T @ t14
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = t14 @ t22
+    t24 = t23 @ X
+    t25 = t0 @ t24
+    t26 = (n_batch**(-2)) * (t25.sum((0,)) * t25.sum((0,))).sum()
+    t27 = (t10.permute(2, 0, 1).reshape((d_V, d_K*n_batch)) @ t7.permute(0, 2, 1).reshape((d_K*n_batch, d_V)))
+    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t27 * t25.sum((0,)).permute(1, 0)).sum()
+    t29 = t13 + t26 + t28
+    t30 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -2642,11 +2820,13 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t0
     t9 = t8.transpose(-1, -2)
     t10 = t8 @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
-    t12 = t11 + 0.0 + 0.0
-    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return (t13, 0.0, t14,)
+    t11 = (t6.reshape((n_batch, d_V**2)) @ t6.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
+    t14 = t13 + 0.0 + 0.0
+    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return (t15, 0.0, t16,)
 
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -2668,21 +2848,27 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = T @ X
     t11 = t4 @ t10
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
-    t13 = t0 @ X
-    t14 = T @ t1
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t4 @ G
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t17, t13, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t17, optimize=[(0, 2), (0, 2), (0, 1)])
-    t20 = t12 + t18 + t19
-    t21 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t21, t22, t23,)
+    t12 = (t2.reshape((n_batch, d_V**2)) @ t2.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t13 = (t11.reshape((n_batch, d_K*d_V)) @ t11.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t13 * t12).sum()
+    t15 = t0 @ X
+    t16 = T @ t1
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t4 @ G
+    t20 = (t15.reshape((n_batch, d_V**2)) @ t15.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t21 = (t19.reshape((n_batch, d_K*d_V)) @ t19.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t20).sum()
+    t23 = (t15.permute(0, 2, 1).reshape((d_V*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, d_V*n_batch))).reshape((n_batch, d_V, n_batch, d_V))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((d_V*n_batch, d_V*n_batch)) @ t11.permute(2, 0, 1).reshape((d_V*n_batch, d_K))).reshape((n_batch, d_V, d_K))
+    t25 = (4/(L*d_K*d_V*n_batch**2)) * (t24 * t19.permute(0, 2, 1)).sum()
+    t26 = t14 + t22 + t25
+    t27 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
 
 
 def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -2705,23 +2891,29 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t0
     t11 = t2.transpose(-1, -2)
     t12 = t10 @ t11
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = t0 @ t11
-    t15 = t10.transpose(-1, -2)
-    t16 = T @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t13 = (t8.reshape((n_batch, d_V**2)) @ t8.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t14 = (t12.reshape((n_batch, d_K*d_V)) @ t12.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = t0 @ t11
+    t17 = t10.transpose(-1, -2)
+    t18 = T @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = (t16.reshape((n_batch, d_K*d_V)) @ t16.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t24 = (t22.reshape((n_batch, d_V**2)) @ t22.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t25 = (1/(d_K*n_batch**2)) * (t24 * t23).sum()
+    t26 = (t16.permute(0, 2, 1).reshape((d_K*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, d_V*n_batch))).reshape((n_batch, d_K, n_batch, d_V))
+    t27 = (t26.permute(0, 3, 1, 2).reshape((d_V*n_batch, d_K*n_batch)) @ t12.permute(2, 0, 1).reshape((d_K*n_batch, d_V))).reshape((n_batch, d_V, d_V))
+    t28 = (4/(L*d_K*d_V*n_batch**2)) * (t27 * t22.permute(0, 2, 1)).sum()
+    t29 = t15 + t25 + t28
+    t30 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -2744,23 +2936,29 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
     t12 = t11 @ X
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = t0 @ X
-    t15 = t11.transpose(-1, -2)
-    t16 = T @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = t19 @ t7
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t20, t14, t20, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t20, optimize=[(0, 2), (0, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t13 = (t9.reshape((n_batch, d_K*d_V)) @ t9.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t14 = (t12.reshape((n_batch, d_V**2)) @ t12.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t14 * t13).sum()
+    t16 = t0 @ X
+    t17 = t11.transpose(-1, -2)
+    t18 = T @ t17
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = t21 @ t7
+    t23 = (t16.reshape((n_batch, d_V**2)) @ t16.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t24 = (t22.reshape((n_batch, d_K*d_V)) @ t22.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t25 = (1/(d_K*n_batch**2)) * (t24 * t23).sum()
+    t26 = (t16.permute(0, 2, 1).reshape((d_V*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, d_K*n_batch))).reshape((n_batch, d_V, n_batch, d_K))
+    t27 = (t26.permute(0, 3, 1, 2).reshape((d_K*n_batch, d_V*n_batch)) @ t12.permute(2, 0, 1).reshape((d_V*n_batch, d_V))).reshape((n_batch, d_K, d_V))
+    t28 = (4/(L*d_K*d_V*n_batch**2)) * (t27 * t22.permute(0, 2, 1)).sum()
+    t29 = t15 + t25 + t28
+    t30 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -2780,7 +2978,7 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t7 = t6 @ T
     t8 = t7 @ X
     t9 = t0 @ t8
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
     t11 = t10 + 0.0 + 0.0
     t12 = torch.sqrt(torch.clamp(t10, min=0.0))
     t13 = torch.sqrt(torch.clamp(t11, min=0.0))
@@ -2982,66 +3180,75 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t4.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t15 = X @ W_Q
-    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t19 = t18.view((d_V, d_K, d_V, d_V))
-    t20 = t15 @ t4
-    t21 = (1/math.sqrt(d_K)) * t20
-    T = t21
-    t22 = Mcausal * T
-    t23 = t22 @ X
-    t24 = t6.transpose(-1, -2)
-    t25 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t26 = oe.contract('abc,acd->bdac', t4, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,cd,ace->bead', t2, t25, t23, optimize=[(0, 1), (0, 1)])
-    t19[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t15.transpose(-1, -2)
-    t31 = Mcausal.transpose(-1, -2)
-    t32 = (2/(L*d_K*d_V*n_batch)) * t31
-    t33 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t34 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = oe.contract('abc,acd->bdac', t30, t15, optimize=[(0, 1)])
-    t38 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t42 = oe.contract('abc,cd,ace->bead', t2, t41, t24, optimize=[(0, 1), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t30, t23, optimize=[(0, 1)])
-    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = t23.transpose(-1, -2)
-    t47 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t48 = oe.contract('abc,cd,ace->bead', t46, t25, X, optimize=[(0, 1), (0, 1)])
-    t45[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t51 = oe.contract('abc,cd,ace->bead', t46, t25, t15, optimize=[(0, 1), (0, 1)])
-    t52 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
-    t50[...] = oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_V, d_V, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t56 = t46 @ t23
-    t57 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t58 = (2/(L*d_V*n_batch)) * t57
-    t59 = oe.contract('abc->bc', t56, optimize=[(0,)])
-    t55 += oe.contract('a,bc->bca', t58, t59, optimize=[(0, 1)])
+    t11 = (Mcausal.reshape((L, L, 1)) * t10.reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t9).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = t16.view((d_V, d_K, d_V, d_K))
+    t18 = X @ W_Q
+    t19 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = t21.view((d_V, d_K, d_V, d_V))
+    t23 = t18 @ t4
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = Mcausal * T
+    t26 = t25 @ X
+    t27 = t6.transpose(-1, -2)
+    t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t29 = ((t27.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t30 = (t28.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t31 = ((t30.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t22[...] = oe.contract('abcd,efcd->eafb', t29, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t18.transpose(-1, -2)
+    t35 = Mcausal.transpose(-1, -2)
+    t36 = (2/(L*d_K*d_V*n_batch)) * t35
+    t37 = (t35.permute(1, 0).reshape((L, L, 1)) * t36.permute(1, 0).reshape((L, 1, L)))
+    t38 = (t37.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t39 = (t38.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t40 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t41 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = ((t18.reshape((n_batch, L, d_K, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t45 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = t46.view((d_V, d_K, d_V, d_V))
+    t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
+    t49 = (t48.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t50 = ((t49.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t27).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t51 = ((t26.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = t26.transpose(-1, -2)
+    t55 = ((t9.reshape((n_batch, L, d_K, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t56 = (t28.reshape((L, L, 1)) * t54.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t57 = ((t56.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t59 = t58.view((d_V, d_V, d_V, d_K))
+    t60 = ((t56.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t61 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t59[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t62[...] = 0
+    t63 = t62.view((d_V, d_V, d_V, d_V))
+    t64 = t63.diagonal(0, 1, 3)
+    t65 = t54 @ t26
+    t66 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t67 = (2/(L*d_V*n_batch)) * t66
+    t68 = t65.sum((0,))
+    t64 += oe.contract('a,bc->bca', t67, t68, optimize=[(0, 1)])
     return H
 
 
@@ -3107,36 +3314,80 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t10 = X @ W_Q
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t10, X, t0, t2, Mcausal, t6, Mcausal, t10, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = t10 @ t2
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = Mcausal * T
-    t16 = t15 @ X
-    t17 = t4.transpose(-1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t16, t17, t0, t2, Mcausal, t16, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t10.transpose(-1, -2)
-    t21 = Mcausal.transpose(-1, -2)
-    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, t7, X, t0, t20, t21, t6, t21, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t21, t6, t21, X, t10, t0, t20, t21, t6, t21, X, t10, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t21, t17, t16, t0, t20, t21, t17, t16, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t16.transpose(-1, -2)
-    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, X, t7, t28, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t28, t4, Mcausal, t10, X, t28, t4, Mcausal, t10, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = t28 @ t16
-    t34 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t9, t12, t19, t23, t25, t27, t30, t32, t35,)
+    t20 = X @ W_Q
+    t21 = (t20.reshape((L*n_batch, d_K)) @ t20.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t8
+    t23 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t25 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t24 * t10.permute(0, 2, 3, 1)).sum()
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t20 @ t2
+    t28 = (1/math.sqrt(d_K)) * t27
+    T = t28
+    t29 = Mcausal * T
+    t30 = t29 @ X
+    t31 = t4.transpose(-1, -2)
+    t32 = (t30.reshape((L*n_batch, d_V)) @ t30.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = t32 * t8
+    t34 = (t31.reshape((L*n_batch, d_V)) @ t31.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = t34 * t9
+    t36 = (t33.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t37 = (t36.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t35.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t37 * Mcausal).sum()
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = t20.transpose(-1, -2)
+    t41 = Mcausal.transpose(-1, -2)
+    t42 = (t40.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t40.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = t10 * t42
+    t44 = (t41.permute(1, 0).reshape((L, L, 1)) * t41.permute(1, 0).reshape((L, 1, L)))
+    t45 = (t44.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t46 = (t45.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t8.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t47 = (t46.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t45.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t49 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t48 * t43.permute(0, 2, 3, 1)).sum()
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    t51 = t21 * t42
+    t52 = (t46.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t53 = (t52.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t45.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t54 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t53 * t51.permute(0, 2, 3, 1)).sum()
+    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
+    t56 = t34 * t8
+    t57 = t32 * t42
+    t58 = (t56.reshape((L*n_batch**2, L)) @ t41).reshape((n_batch, L, n_batch, L))
+    t59 = (t58.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t57.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t60 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t59 * t41).sum()
+    t61 = torch.sqrt(torch.clamp(t60, min=0.0))
+    t62 = t30.transpose(-1, -2)
+    t63 = (t62.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t62.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t64 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t65 = t10 * t63
+    t66 = t12 * t64
+    t67 = (t65.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t68 = (t67.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t66.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t69 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t68 * Mcausal).sum()
+    t70 = torch.sqrt(torch.clamp(t69, min=0.0))
+    t71 = t21 * t63
+    t72 = t10 * t64
+    t73 = (t71.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t74 = (t73.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t72.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t75 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t74 * Mcausal).sum()
+    t76 = torch.sqrt(torch.clamp(t75, min=0.0))
+    t77 = t62 @ t30
+    t78 = (4/(L**2*d_V*n_batch**2)) * (t77.sum((0,)) * t77.sum((0,))).sum()
+    t79 = torch.sqrt(torch.clamp(t78, min=0.0))
+    return (t19, t26, t39, t50, t55, t61, t70, t76, t79,)
 
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3157,9 +3408,12 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t12 = (t8.permute(0, 2, 1).reshape((n_batch, d_K, L, 1)) * t3.reshape((n_batch, d_K, 1, L)))
+    t13 = ((t12.reshape((n_batch, d_K, L**2)) @ t11.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
+    t14 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3178,7 +3432,12 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t9 = (t7 @ t2)
+    t10 = t9 * t6.permute(0, 2, 1)
+    t11 = (t8.permute(1, 0).reshape((L, n_batch, 1)) * Mcausal.reshape((L, 1, L)))
+    t12 = (t11.reshape((L, L*n_batch)) @ t10.permute(0, 2, 1).reshape((L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3199,9 +3458,12 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3220,9 +3482,19 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3243,9 +3515,12 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
+    t10 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3264,9 +3539,19 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = X @ W_Q
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3289,9 +3574,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((t9.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t12 = (t10.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t13 = ((t12.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -3312,9 +3598,17 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = Mcausal * T
     t7 = t6 @ X
     t8 = X @ W_V
-    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t7.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = (t8.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t10
+    t15 = (t12.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t16 = (t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t14.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t16 * Mcausal).sum()
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3336,9 +3630,12 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t11 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
+    t12 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t14 = (X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t1.reshape((n_batch, d_V, 1, L)))
+    t15 = ((t14.reshape((n_batch, d_V, L**2)) @ t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3358,7 +3655,12 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = t2.transpose(-1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t10 = (X @ t0)
+    t11 = t10 * t7.permute(0, 2, 1)
+    t12 = (t9.permute(1, 0).reshape((L, n_batch, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t13 = (t12.reshape((L, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.permute(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3380,9 +3682,12 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_K
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3402,9 +3707,19 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (t3.permute(1, 0).reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t15 = (t14.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t16 = (t15.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t17 = (t16.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t15.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.permute(0, 2, 3, 1)).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3426,9 +3741,12 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t12 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t14 = (t13.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t15 = ((t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3448,9 +3766,19 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = t2.transpose(-1, -2)
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (t3.permute(1, 0).reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t15 = (t14.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t16 = (t15.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t17 = (t16.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t15.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.permute(0, 2, 3, 1)).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3476,9 +3804,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = Mcausal * T
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t14 = oe.contract('abc,cd,ace->bead', t1, t13, t5, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t3, t12, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t14 = (t13.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t15 = ((t14.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t5).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = ((t12.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3502,9 +3831,17 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = Mcausal * T
     t11 = t10 @ X
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t4.reshape((L*n_batch, d_V)) @ t4.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (t11.reshape((L*n_batch, d_V)) @ t11.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t13
+    t18 = (t15.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t19 = (t18.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t17.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t20 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t19 * t3).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3532,7 +3869,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t16 = oe.contract('abb->b', t13)
     t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -3558,7 +3895,7 @@ def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    return (2/(L*n_batch)) * oe.contract('abb->', t12, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t12)
 
 
 def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3585,9 +3922,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t4.transpose(-1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
-    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t15 = ((t13.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3612,9 +3950,17 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
     t12 = t3.transpose(-1, -2)
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (t12.reshape((L*n_batch, d_K)) @ t12.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = (t16.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t18.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3641,9 +3987,10 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = oe.contract('abc,cd,ace->bead', t10, t14, t13, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t16 = ((t15.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t13).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3668,9 +4015,17 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
     t12 = X @ W_Q
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.reshape((L*n_batch, d_K)) @ t12.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = (t16.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t18.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3700,7 +4055,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t17 = t14.sum((0,))
     t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -3726,7 +4081,7 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
 
@@ -3766,46 +4121,48 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t22 = t19.sum((0,))
     t3 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t24 = t23.view((d_V, d_K, d_V, d_V))
     t25 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t26 = oe.contract('abc,cd,ace->bead', t4, t25, G, optimize=[(0, 1), (0, 1)])
-    t27 = oe.contract('abc,acd->bdac', t6, X, optimize=[(0, 1)])
-    t24[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t19.transpose(-1, -2)
-    t32 = oe.contract('abc->bc', t31, optimize=[(0,)])
-    t30 += oe.contract('a,bc->bca', t21, t32, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t36 = W_Q.transpose(-1, -2)
-    t37 = t36 @ t4
-    t38 = Mcausal.transpose(-1, -2)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = oe.contract('abc,acd->bdac', t37, G, optimize=[(0, 1)])
-    t41 = oe.contract('abc,cd,ace->bead', t4, t39, X, optimize=[(0, 1), (0, 1)])
-    t35[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = G.transpose(-1, -2)
-    t45 = t6.transpose(-1, -2)
-    t46 = oe.contract('abc,cd,ace->bead', t4, t39, t45, optimize=[(0, 1), (0, 1)])
-    t47 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
-    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t50 = t37.transpose(-1, -2)
-    t51 = oe.contract('abc,acd->bdac', t44, t50, optimize=[(0, 1)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t41, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t52[...] = 0
+    t26 = (t25.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t27 = ((t26.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t28 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t24[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t19.transpose(-1, -2)
+    t33 = t32.sum((0,))
+    t31 += oe.contract('a,bc->bca', t21, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34[...] = 0
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = W_Q.transpose(-1, -2)
+    t38 = t37 @ t4
+    t39 = Mcausal.transpose(-1, -2)
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t41 = ((G.reshape((n_batch, L, d_V, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t42 = (t40.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t43 = ((t42.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t36[...] = oe.contract('abcd,efcd->eafb', t41, t43, optimize=[(0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t45 = t44.view((d_V, d_V, d_V, d_K))
+    t46 = G.transpose(-1, -2)
+    t47 = t6.transpose(-1, -2)
+    t48 = ((t42.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t47).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t49 = ((X.reshape((n_batch, L, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t51 = t50.view((d_V, d_V, d_V, d_K))
+    t52 = t38.transpose(-1, -2)
+    t53 = ((t52.reshape((n_batch, L, d_K, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t43, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54[...] = 0
     return H
 
 
@@ -3893,26 +4250,48 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal * t12
     t14 = t13 @ X
     t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t16 = (n_batch**(-2)) * (t15.sum((0,)) * t15.sum((0,))).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t15.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = Mcausal.transpose(-1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t24, t25, X, G, t0, t24, t25, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = (t21.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t25 = (t24.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t23.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * Mcausal).sum()
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = G.transpose(-1, -2)
-    t29 = t2.transpose(-1, -2)
-    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, t29, X, t0, t28, t25, t29, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t24.transpose(-1, -2)
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t25, X, t32, t0, t28, t25, X, t32, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return (0.0, t17, t19, t22, 0.0, t27, t31, t34, 0.0,)
+    t28 = t15.transpose(-1, -2)
+    t29 = (n_batch**(-2)) * (t28.sum((0,)) * t28.sum((0,))).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = W_Q.transpose(-1, -2)
+    t32 = t31 @ t0
+    t33 = Mcausal.transpose(-1, -2)
+    t34 = (t32.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t32.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = t22 * t18
+    t36 = t20 * t34
+    t37 = (t35.reshape((L*n_batch**2, L)) @ t33).reshape((n_batch, L, n_batch, L))
+    t38 = (t37.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t36.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t39 = (1/(d_K*n_batch**2)) * (t38 * t33).sum()
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = G.transpose(-1, -2)
+    t42 = t2.transpose(-1, -2)
+    t43 = (t41.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = (t42.reshape((L*n_batch, d_K)) @ t42.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = t44 * t18
+    t46 = t22 * t43
+    t47 = (t45.reshape((L*n_batch**2, L)) @ t33).reshape((n_batch, L, n_batch, L))
+    t48 = (t47.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t46.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t49 = (1/(d_K*n_batch**2)) * (t48 * t33).sum()
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    t51 = t32.transpose(-1, -2)
+    t52 = (t51.reshape((L*n_batch, d_K)) @ t51.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t53 = t52 * t43
+    t54 = (t37.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t53.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t55 = (1/(d_K*n_batch**2)) * (t54 * t33).sum()
+    t56 = torch.sqrt(torch.clamp(t55, min=0.0))
+    return (0.0, t17, t27, t30, 0.0, t40, t50, t56, 0.0,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -3987,7 +4366,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc->bc', t17, optimize=[(0,)])
+    t20 = t17.sum((0,))
     t1 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
     return out
 
@@ -4018,7 +4397,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal * t12
     t14 = t13 @ X
     t15 = t0 @ t14
-    t16 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t16 = (n_batch**(-2)) * (t15.sum((0,)) * t15.sum((0,))).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     return t17
 
@@ -4047,9 +4426,10 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t13 = oe.contract('abc,cd,ace->bead', t1, t12, G, optimize=[(0, 1), (0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t13 = (t12.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t14 = ((t13.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4074,9 +4454,17 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t9 = F - Y
     t10 = (2/(L*d_V)) * t9
     G = t10
-    t11 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t11
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t12
+    t17 = (t14.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t18 = (t17.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t16.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t19 = (1/(d_K*n_batch**2)) * (t18 * Mcausal).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4133,7 +4521,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t22 = t19.sum((0,))
     t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     return out
 
@@ -4166,7 +4554,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = t13 * t14
     t16 = t15 @ X
     t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t18 = (n_batch**(-2)) * (t17.sum((0,)) * t17.sum((0,))).sum()
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     return t19
 
@@ -4218,9 +4606,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t17 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4248,9 +4637,17 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = (t17.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t21 = (t20.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t19.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t3).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4300,9 +4697,10 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal.transpose(-1, -2)
     t14 = t3.transpose(-1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = oe.contract('abc,cd,ace->bead', t1, t15, t14, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t12, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t14).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4330,9 +4728,17 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = Mcausal.transpose(-1, -2)
     t13 = t2.transpose(-1, -2)
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, t13, X, t0, t11, t12, t13, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t13.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = (t17.reshape((L*n_batch**2, L)) @ t12).reshape((n_batch, L, n_batch, L))
+    t21 = (t20.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t19.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t12).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4362,9 +4768,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = oe.contract('abc,acd->bdac', t12, t14, optimize=[(0, 1)])
-    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = ((t14.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4392,9 +4799,17 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = Mcausal.transpose(-1, -2)
     t13 = X @ W_Q
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t11, t12, X, t13, t0, t11, t12, X, t13, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = (t13.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = (t17.reshape((L*n_batch**2, L)) @ t12).reshape((n_batch, L, n_batch, L))
+    t21 = (t20.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t19.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t22 = (1/(d_K*n_batch**2)) * (t21 * t12).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4436,101 +4851,114 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t4.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t2, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t15 = X @ W_Q
-    t16 = oe.contract('abc,acd->bdac', t2, t15, optimize=[(0, 1)])
-    t17 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t18 = t14.diagonal(0, 1, 3)
-    t19 = t15 @ t4
-    t20 = (1/math.sqrt(d_K)) * t19
-    T = t20
-    t21 = Mcausal * T
-    t22 = t6.transpose(-1, -2)
-    t23 = t21 @ t22
-    F = t23
-    t24 = F - Y
-    t25 = (2/(L*d_V)) * t24
-    G = t25
-    t26 = G @ t6
-    t27 = Mcausal * t26
-    t28 = t27 @ X
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t31 = oe.contract('abc,acd->bd', t2, t28, optimize=[(0, 1)])
-    t14[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t34 = t21 @ X
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t39 = oe.contract('abc,cd,ace->bead', t2, t38, G, optimize=[(0, 1), (0, 1)])
-    t40 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
-    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t15.transpose(-1, -2)
-    t44 = Mcausal.transpose(-1, -2)
-    t45 = (2/(L*d_K*d_V*n_batch)) * t44
-    t46 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t47 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
-    t48 = t42.diagonal(0, 1, 3)
-    t49 = t26.transpose(-1, -2)
-    t50 = t49 * t44
-    t51 = t50 @ X
-    t52 = oe.contract('abc,acd->bd', t2, t51, optimize=[(0, 1)])
-    t42[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 += oe.contract('a,bc->bca', t30, t52, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = t53.view((d_V, d_K, d_V, d_K))
-    t55 = oe.contract('abc,acd->bdac', t43, t15, optimize=[(0, 1)])
-    t56 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t45, t8, t44, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = t57.view((d_V, d_K, d_V, d_V))
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t60 = oe.contract('abc,acd->bdac', t43, G, optimize=[(0, 1)])
-    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
-    t62 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t44
-    t63 = oe.contract('abc,cd,ace,ef->bfad', t2, t62, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64 = oe.contract('abc,acd->bdac', t43, t34, optimize=[(0, 1)])
-    t58[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t66 = t65.view((d_V, d_V, d_V, d_K))
-    t67 = T.transpose(-1, -2)
-    t68 = t44 * t67
-    t69 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
-    t70 = oe.contract('abc,acd,ade->bead', t2, t68, X, optimize=[(0, 1), (0, 1)])
-    t71 = G.transpose(-1, -2)
-    t72 = oe.contract('abc,cd,ace->bead', t2, t59, t9, optimize=[(0, 1), (0, 1)])
-    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
-    t66[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t66 += oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t75 = t74.view((d_V, d_V, d_V, d_K))
-    t76 = oe.contract('abc,acd,ade->bead', t2, t68, t15, optimize=[(0, 1), (0, 1)])
-    t77 = oe.contract('abc,dc,ace->bead', t6, t35, X, optimize=[(0, 1), (0, 1)])
-    t78 = oe.contract('abc,acd->bdac', t71, t15, optimize=[(0, 1)])
-    t75[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
-    t75 += oe.contract('abcd,efcd->eafb', t78, t61, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t79[...] = 0
-    t80 = t79.view((d_V, d_V, d_V, d_V))
-    t81 = t80.diagonal(0, 1, 3)
-    t82 = t34.transpose(-1, -2)
-    t83 = t82 @ t34
-    t84 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t85 = (2/(L*d_V*n_batch)) * t84
-    t86 = oe.contract('abc->bc', t83, optimize=[(0,)])
-    t81 += oe.contract('a,bc->bca', t85, t86, optimize=[(0, 1)])
+    t11 = (Mcausal.reshape((L, L, 1)) * t10.reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t9).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t17 = t16.view((d_V, d_K, d_V, d_K))
+    t18 = X @ W_Q
+    t19 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t21 = t17.diagonal(0, 1, 3)
+    t22 = t18 @ t4
+    t23 = (1/math.sqrt(d_K)) * t22
+    T = t23
+    t24 = Mcausal * T
+    t25 = t6.transpose(-1, -2)
+    t26 = t24 @ t25
+    F = t26
+    t27 = F - Y
+    t28 = (2/(L*d_V)) * t27
+    G = t28
+    t29 = G @ t6
+    t30 = Mcausal * t29
+    t31 = t30 @ X
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t34 = ((t31.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = t24 @ X
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t39 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t40 = ((t39.permute(1, 2, 0).reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t41 = (t38.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t42 = ((t41.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t37).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t44 = (t43.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t45 = ((t44.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t36[...] = oe.contract('abcd,efcd->eafb', t40, t42, optimize=[(0, 1)])
+    t36 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = t18.transpose(-1, -2)
+    t50 = Mcausal.transpose(-1, -2)
+    t51 = (2/(L*d_K*d_V*n_batch)) * t50
+    t52 = (t50.permute(1, 0).reshape((L, L, 1)) * t51.permute(1, 0).reshape((L, 1, L)))
+    t53 = (t52.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t54 = (t53.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t55 = ((t54.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t56 = ((X.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t57 = t48.diagonal(0, 1, 3)
+    t58 = t29.transpose(-1, -2)
+    t59 = t58 * t50
+    t60 = t59 @ X
+    t61 = ((t60.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 += oe.contract('a,bc->bca', t33, t61, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t63 = t62.view((d_V, d_K, d_V, d_K))
+    t64 = ((t18.reshape((n_batch, L, d_K, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t65 = ((t54.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67 = t66.view((d_V, d_K, d_V, d_V))
+    t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t69 = ((G.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t70 = (t68.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t71 = ((t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t73 = (t72.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t74 = ((t39.permute(1, 0, 2) @ t73.permute(2, 0, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(3, 1, 0, 2)
+    t75 = ((t37.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t67[...] = oe.contract('abcd,efcd->eafb', t69, t71, optimize=[(0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t77 = t76.view((d_V, d_V, d_V, d_K))
+    t78 = T.transpose(-1, -2)
+    t79 = t50 * t78
+    t80 = (t38.permute(1, 0).reshape((L, L, 1)) * t6.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t81 = ((t80.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t82 = (t79.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t83 = ((t82.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t84 = G.transpose(-1, -2)
+    t85 = ((t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t86 = ((X.reshape((n_batch, L, d_V, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t77[...] = oe.contract('abcd,efcd->eafb', t81, t83, optimize=[(0, 1)])
+    t77 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t88 = t87.view((d_V, d_V, d_V, d_K))
+    t89 = ((t82.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t90 = ((t80.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t91 = ((t18.reshape((n_batch, L, d_K, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t88[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t88 += oe.contract('abcd,efcd->eafb', t91, t71, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t92[...] = 0
+    t93 = t92.view((d_V, d_V, d_V, d_V))
+    t94 = t93.diagonal(0, 1, 3)
+    t95 = t37.transpose(-1, -2)
+    t96 = t95 @ t37
+    t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t98 = (2/(L*d_V*n_batch)) * t97
+    t99 = t96.sum((0,))
+    t94 += oe.contract('a,bc->bca', t98, t99, optimize=[(0, 1)])
     return H
 
 
@@ -4623,51 +5051,148 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t10 = W_Q @ t2
-    t11 = X @ t10
-    t12 = (1/math.sqrt(d_K)) * t11
-    T = t12
-    t13 = Mcausal * T
-    t14 = t4.transpose(-1, -2)
-    t15 = t13 @ t14
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = G @ t4
-    t19 = Mcausal * t18
-    t20 = t19 @ X
-    t21 = X @ W_Q
-    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t20, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t21, X, t0, t2, Mcausal, t6, Mcausal, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = t13 @ X
-    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, t24, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t24, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t18.transpose(-1, -2)
-    t28 = Mcausal.transpose(-1, -2)
-    t29 = t27 * t28
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = W_Q @ t2
+    t21 = X @ t20
+    t22 = (1/math.sqrt(d_K)) * t21
+    T = t22
+    t23 = Mcausal * T
+    t24 = t4.transpose(-1, -2)
+    t25 = t23 @ t24
+    F = t25
+    t26 = F - Y
+    t27 = (2/(L*d_V)) * t26
+    G = t27
+    t28 = G @ t4
+    t29 = Mcausal * t28
     t30 = t29 @ X
-    t31 = t21.transpose(-1, -2)
-    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t30, t0, t30, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t30, t0, t31, t28, t6, t28, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, t7, X, t0, t31, t28, t6, t28, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t31, t28, t6, t28, X, t21, t0, t31, t28, t6, t28, X, t21, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t31, t28, X, G, t0, t31, t28, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t31, t28, X, G, t0, t31, t28, X, W_V, t24, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t31, t28, X, W_V, t24, t0, t31, t28, X, W_V, t24, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = T.transpose(-1, -2)
-    t39 = t28 * t38
-    t40 = G.transpose(-1, -2)
-    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, X, t7, t0, t39, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, X, t7, t0, t40, t28, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, t7, X, t0, t40, t28, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t39, t4, Mcausal, t21, X, t0, t39, t4, Mcausal, t21, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t39, t4, Mcausal, t21, X, t0, t40, t28, X, t21, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t40, t28, X, t21, t0, t40, t28, X, t21, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = (t30.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t32 = X @ W_Q
+    t33 = (t32 @ t2)
+    t34 = (t31 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t35 = (t34.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t36 = (t33.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t37 = (t36.permute(2, 0, 1) @ t6)
+    t38 = (t37.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t35.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t39 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = t39 * t8
+    t41 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t40.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t42 = (t41.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t43 = (n_batch**(-2)) * (t31 * t31).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t38 * Mcausal).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t42 * t10.permute(0, 2, 3, 1)).sum()
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = t24.transpose(-1, -2)
-    t46 = t45 @ t24
-    t47 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t46, t46, optimize=[(0, 1)])
-    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    return (t9, t23, t26, t33, t35, t37, t42, t44, t48,)
+    t45 = t23 @ X
+    t46 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t47 = (t45.reshape((L*n_batch, d_V)) @ t45.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t48 = t47 * t8
+    t49 = (t46.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t46.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t50 = t49 * t9
+    t51 = (t48.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t52 = (t51.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t50.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t53 = (X.reshape((L*n_batch, d_V)) @ t45.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t54 = (t46.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t55 = (t53.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t56 = (t55.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ Mcausal).reshape((n_batch, n_batch, L, L, L))
+    t57 = (t56.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t9.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t58 = (t57.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t54.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t59 = t10 * t9
+    t60 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = t60 * t8
+    t62 = (t59.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t63 = (t62.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t61.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t64 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t52 * Mcausal).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t58 * Mcausal).sum() + (1/(d_K*n_batch**2)) * (t63 * Mcausal.permute(1, 0)).sum()
+    t65 = torch.sqrt(torch.clamp(t64, min=0.0))
+    t66 = t28.transpose(-1, -2)
+    t67 = Mcausal.transpose(-1, -2)
+    t68 = t66 * t67
+    t69 = t68 @ X
+    t70 = (t69.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t71 = t32.transpose(-1, -2)
+    t72 = (t7 @ t71)
+    t73 = (t70 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t74 = (t73.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t75 = (t72.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t67.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t76 = (t75.permute(2, 1, 0) @ t6.permute(0, 2, 1))
+    t77 = (t76.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t74.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t78 = (t71.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t71.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t79 = t10 * t78
+    t80 = (t67.permute(1, 0).reshape((L, L, 1)) * t67.permute(1, 0).reshape((L, 1, L)))
+    t81 = (t80.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t82 = (t81.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t8.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t83 = (t82.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t84 = (t83.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t81.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t85 = (n_batch**(-2)) * (t70 * t70).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t77 * t67.permute(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t84 * t79.permute(0, 2, 3, 1)).sum()
+    t86 = torch.sqrt(torch.clamp(t85, min=0.0))
+    t87 = t39 * t78
+    t88 = (t82.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t89 = (t88.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t81.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t90 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t89 * t87.permute(0, 2, 3, 1)).sum()
+    t91 = torch.sqrt(torch.clamp(t90, min=0.0))
+    t92 = t60 * t78
+    t93 = (t11.reshape((L*n_batch**2, L)) @ t67).reshape((n_batch, L, n_batch, L))
+    t94 = (t93.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t92.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t95 = (W_V @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t96 = (t45.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t97 = (t95.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t98 = (t96.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t99 = (t98.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ t67).reshape((n_batch, n_batch, L, L, L))
+    t100 = (t99.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t78.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t101 = (t100.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t97.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t102 = t47 * t78
+    t103 = t49 * t8
+    t104 = (t102.reshape((L*n_batch**2, L)) @ t67.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t105 = (t104.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t103.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t106 = (1/(d_K*n_batch**2)) * (t94 * t67).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t101 * t67).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t105 * t67.permute(1, 0)).sum()
+    t107 = torch.sqrt(torch.clamp(t106, min=0.0))
+    t108 = T.transpose(-1, -2)
+    t109 = t67 * t108
+    t110 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t111 = t12 * t110
+    t112 = (t8.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t109).reshape((n_batch, n_batch, L, L))
+    t113 = (t112.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t109).reshape((n_batch, n_batch, L, L))
+    t114 = t113 * t10.permute(0, 2, 3, 1)
+    t115 = (t111.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t116 = (t115.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t114.reshape((L*n_batch**2, L)))
+    t117 = G.transpose(-1, -2)
+    t118 = (t117.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t119 = (t10.reshape((n_batch, L, n_batch, L, 1)) * t118.reshape((n_batch, L, n_batch, 1, L)))
+    t120 = (t119.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t121 = (t120.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t12.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t122 = (t121.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t112.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t123 = (t117.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t117.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t124 = t12 * t8
+    t125 = t10 * t123
+    t126 = (t124.reshape((L*n_batch**2, L)) @ t67).reshape((n_batch, L, n_batch, L))
+    t127 = (t126.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t125.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t128 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t116 * Mcausal.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t122 * t67).sum() + (1/(d_K*n_batch**2)) * (t127 * t67).sum()
+    t129 = torch.sqrt(torch.clamp(t128, min=0.0))
+    t130 = t10 * t110
+    t131 = t113 * t39.permute(0, 2, 3, 1)
+    t132 = (t130.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t133 = (t132.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t131.reshape((L*n_batch**2, L)))
+    t134 = (t39.reshape((n_batch, L, n_batch, L, 1)) * t118.reshape((n_batch, L, n_batch, 1, L)))
+    t135 = (t134.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t136 = (t135.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t137 = (t136.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t112.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t138 = t39 * t123
+    t139 = (t93.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t138.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t140 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t133 * Mcausal.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t137 * t67).sum() + (1/(d_K*n_batch**2)) * (t139 * t67).sum()
+    t141 = torch.sqrt(torch.clamp(t140, min=0.0))
+    t142 = t45.transpose(-1, -2)
+    t143 = t142 @ t45
+    t144 = (4/(L**2*d_V*n_batch**2)) * (t143.sum((0,)) * t143.sum((0,))).sum()
+    t145 = torch.sqrt(torch.clamp(t144, min=0.0))
+    return (t19, t44, t65, t86, t91, t107, t129, t141, t145,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4688,9 +5213,12 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t12 = (t8.permute(0, 2, 1).reshape((n_batch, d_K, L, 1)) * t3.reshape((n_batch, d_K, 1, L)))
+    t13 = ((t12.reshape((n_batch, d_K, L**2)) @ t11.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
+    t14 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4709,7 +5237,12 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->', t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t9 = (t7 @ t2)
+    t10 = t9 * t6.permute(0, 2, 1)
+    t11 = (t8.permute(1, 0).reshape((L, n_batch, 1)) * Mcausal.reshape((L, 1, L)))
+    t12 = (t11.reshape((L, L*n_batch)) @ t10.permute(0, 2, 1).reshape((L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4730,9 +5263,12 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -4751,9 +5287,19 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -4774,27 +5320,30 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = t0.diagonal(0, 1, 3)
-    t13 = t8 @ t3
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = Mcausal * T
-    t16 = t5.transpose(-1, -2)
-    t17 = t15 @ t16
-    F = t17
-    t18 = F - Y
-    t19 = (2/(L*d_V)) * t18
-    G = t19
-    t20 = G @ t5
-    t21 = Mcausal * t20
-    t22 = t21 @ X
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = oe.contract('abc,acd->bd', t1, t22, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
-    t12 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
+    t10 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t15 = t0.diagonal(0, 1, 3)
+    t16 = t8 @ t3
+    t17 = (1/math.sqrt(d_K)) * t16
+    T = t17
+    t18 = Mcausal * T
+    t19 = t5.transpose(-1, -2)
+    t20 = t18 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = G @ t5
+    t24 = Mcausal * t23
+    t25 = t24 @ X
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = ((t25.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
+    t15 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -4823,11 +5372,28 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = G @ t11
     t13 = Mcausal * t12
     t14 = t13 @ X
-    t15 = t7 @ t11
-    t16 = X @ W_Q
-    t17 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t14, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t15, Mcausal, t16, X, t0, t2, Mcausal, t15, Mcausal, t16, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t15 = (t14.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t16 = t7 @ t11
+    t17 = X @ W_Q
+    t18 = (t17 @ t2)
+    t19 = (t15 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t20 = (t19.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t21 = (t18.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t22 = (t21.permute(2, 0, 1) @ t16)
+    t23 = (t22.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t20.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t26 * t24
+    t28 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t30 = (t29.permute(1, 2, 0).reshape((L, L, L, 1)) * t16.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t31 = (t30.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t32 = (t31.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t27.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t30.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (n_batch**(-2)) * (t15 * t15).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t23 * Mcausal).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t33 * t28.permute(0, 2, 3, 1)).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return t35
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -4849,18 +5415,21 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = Mcausal * T
     t8 = t7 @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
-    t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
-    t12 = t8 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = oe.contract('abc,cd,ace->bead', t1, t15, G, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t10 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t11 = ((t10.permute(1, 2, 0).reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t12 = (t9.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t13 = ((t12.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = t8 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = (t17.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t19 = ((t18.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4880,14 +5449,35 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = Mcausal * T
     t7 = t6 @ X
-    t8 = t7 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t8 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t7.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t8.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t10
+    t15 = (t12.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t16 = (t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t14.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t17 = t7 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = (X.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t20.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t9.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t23 = (t22.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ Mcausal).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t10.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t21.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t26 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t26 * t10
+    t28 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = t28 * t9
+    t30 = (t27.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t31 = (t30.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t29.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t32 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t16 * Mcausal).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t25 * Mcausal).sum() + (1/(d_K*n_batch**2)) * (t31 * Mcausal.permute(1, 0)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return t33
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -4909,9 +5499,12 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aeb->bad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t11 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
+    t12 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t14 = (X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t1.reshape((n_batch, d_V, 1, L)))
+    t15 = ((t14.reshape((n_batch, d_V, L**2)) @ t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4931,7 +5524,12 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = t2.transpose(-1, -2)
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->', t0, t2, t3, t7, t3, X, t8, optimize=[(1, 6), (0, 4), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t10 = (X @ t0)
+    t11 = t10 * t7.permute(0, 2, 1)
+    t12 = (t9.permute(1, 0).reshape((L, n_batch, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t13 = (t12.reshape((L, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, L)))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.permute(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4953,30 +5551,33 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_K
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, t9, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t13 = t0.diagonal(0, 1, 3)
-    t14 = t6.transpose(-1, -2)
-    t15 = t3.transpose(-1, -2)
-    t16 = t9.transpose(-1, -2)
-    t17 = t15 @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = t19 @ t14
-    F = t20
-    t21 = F - Y
-    t22 = (2/(L*d_V)) * t21
-    G = t22
-    t23 = G.transpose(-1, -2)
-    t24 = t14 @ t23
-    t25 = t24 * t4
-    t26 = t25 @ X
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t29 = oe.contract('abc,acd->bd', t1, t26, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
-    t13 += oe.contract('a,bc->bca', t28, t29, optimize=[(0, 1)])
+    t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t16 = t0.diagonal(0, 1, 3)
+    t17 = t6.transpose(-1, -2)
+    t18 = t3.transpose(-1, -2)
+    t19 = t9.transpose(-1, -2)
+    t20 = t18 @ t19
+    t21 = (1/math.sqrt(d_K)) * t20
+    T = t21
+    t22 = Mcausal * T
+    t23 = t22 @ t17
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = t17 @ t26
+    t28 = t27 * t4
+    t29 = t28 @ X
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = ((t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -5007,14 +5608,31 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = Mcausal.transpose(-1, -2)
     t15 = t13 * t14
     t16 = t15 @ X
-    t17 = W_Q.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = t7.transpose(-1, -2)
-    t20 = t7 @ t19
-    t21 = t2.transpose(-1, -2)
-    t22 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t16, t0, t18, t14, t20, t14, t21, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t18, t14, t20, t14, t21, X, t0, t18, t14, t20, t14, t21, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t17 = (t16.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t18 = W_Q.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = t7.transpose(-1, -2)
+    t21 = t7 @ t20
+    t22 = t2.transpose(-1, -2)
+    t23 = (t22 @ t19)
+    t24 = (t17 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t25 = (t24.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t26 = (t23.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t14.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t27 = (t26.permute(2, 1, 0) @ t21.permute(0, 2, 1))
+    t28 = (t27.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t25.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t19.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = (t22.reshape((L*n_batch, d_K)) @ t22.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = t32 * t30
+    t34 = (t14.permute(1, 0).reshape((L, L, 1)) * t14.permute(1, 0).reshape((L, 1, L)))
+    t35 = (t34.permute(1, 2, 0).reshape((L, L, L, 1)) * t21.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t36 = (t35.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t29.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t37 = (t36.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t38 = (t37.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t35.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t39 = (n_batch**(-2)) * (t17 * t17).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t28 * t14.permute(1, 0)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t38 * t33.permute(0, 2, 3, 1)).sum()
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return t40
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5036,9 +5654,12 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t12 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t14 = (t13.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t15 = ((t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5058,9 +5679,19 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = t2.transpose(-1, -2)
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (t3.permute(1, 0).reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t15 = (t14.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t16 = (t15.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t17 = (t16.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t15.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.permute(0, 2, 3, 1)).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5090,14 +5721,17 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t17 = oe.contract('abc,cd,ace->bead', t1, t15, X, optimize=[(0, 1), (0, 1)])
-    t18 = t10 @ X
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t20 = oe.contract('abc,cd,ace,ef->bfad', t1, t19, X, W_V, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t3, t18, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t16 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t17 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = t10 @ X
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t21 = (t20.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t22 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t23 = ((t22.permute(1, 0, 2) @ t21.permute(2, 0, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(3, 1, 0, 2)
+    t24 = ((t19.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5125,10 +5759,32 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t9 @ X
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t14, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t14, t0, t2, t3, X, W_V, t14, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t15
+    t20 = (t17.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t21 = (t20.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t19.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t22 = t9 @ X
+    t23 = (W_V @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t24 = (t22.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = (t23.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (t24.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t27 = (t26.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ t3).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t29 = (t28.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t25.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t30 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t31 = (t22.reshape((L*n_batch, d_V)) @ t22.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t31 * t15
+    t33 = (t30.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t30.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t33 * t14
+    t35 = (t32.reshape((L*n_batch**2, L)) @ t3.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t36 = (t35.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t34.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t37 = (1/(d_K*n_batch**2)) * (t21 * t3).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t29 * t3).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t36 * t3.permute(1, 0)).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return t38
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5156,7 +5812,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13, optimize=[(0,)])
+    t16 = oe.contract('abb->b', t13)
     t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
     return out
 
@@ -5182,7 +5838,7 @@ def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    return (2/(L*n_batch)) * oe.contract('abb->', t12, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t12)
 
 
 def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5208,21 +5864,24 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = t4.transpose(-1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
-    t16 = Mcausal * T
-    t17 = t11.transpose(-1, -2)
-    t18 = t16 @ t17
-    F = t18
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t23 = oe.contract('abc,cd,ace->bead', t1, t22, t12, optimize=[(0, 1), (0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t14 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t15 = ((t14.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t16 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t17 = ((t16.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t18 = Mcausal * T
+    t19 = t11.transpose(-1, -2)
+    t20 = t18 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5246,17 +5905,37 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = t9 @ t0
     t11 = t3.transpose(-1, -2)
-    t12 = Mcausal * T
-    t13 = t10.transpose(-1, -2)
-    t14 = t12 @ t13
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t17, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, t11, X, t0, t17, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t11.reshape((L*n_batch, d_K)) @ t11.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (t12.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t18 = (t17.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t19 = t18 * t14.permute(0, 2, 3, 1)
+    t20 = (t16.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t21 = (t20.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t19.reshape((L*n_batch**2, L)))
+    t22 = Mcausal * T
+    t23 = t10.transpose(-1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t14.reshape((n_batch, L, n_batch, L, 1)) * t28.reshape((n_batch, L, n_batch, 1, L)))
+    t30 = (t29.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t31 = (t30.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t15.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t17.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t33 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t15 * t12
+    t35 = t14 * t33
+    t36 = (t34.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t37 = (t36.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t35.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t21 * Mcausal.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t32 * t1).sum() + (1/(d_K*n_batch**2)) * (t37 * t1).sum()
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return t39
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5282,21 +5961,24 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_Q
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t14 = oe.contract('abc,acd,ade->bead', t1, t9, t12, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abc,dc,ace->bead', t11, t13, X, optimize=[(0, 1), (0, 1)])
-    t16 = Mcausal * T
-    t17 = t11.transpose(-1, -2)
-    t18 = t16 @ t17
-    F = t18
-    t19 = F - Y
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t23 = oe.contract('abc,acd->bdac', t21, t12, optimize=[(0, 1)])
-    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t14 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t15 = ((t14.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t16 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = Mcausal * T
+    t19 = t11.transpose(-1, -2)
+    t20 = t18 @ t19
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t25 = ((t12.reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t27 = ((t26.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t25, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5320,17 +6002,37 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = t9 @ t0
     t11 = X @ W_Q
-    t12 = Mcausal * T
-    t13 = t10.transpose(-1, -2)
-    t14 = t12 @ t13
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t17, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t17, t1, X, t11, t0, t17, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.reshape((L*n_batch, d_K)) @ t11.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (t12.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t18 = (t17.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t19 = t18 * t14.permute(0, 2, 3, 1)
+    t20 = (t16.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t21 = (t20.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t19.reshape((L*n_batch**2, L)))
+    t22 = Mcausal * T
+    t23 = t10.transpose(-1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t14.reshape((n_batch, L, n_batch, L, 1)) * t28.reshape((n_batch, L, n_batch, 1, L)))
+    t30 = (t29.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t31 = (t30.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t15.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t17.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t33 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t15 * t12
+    t35 = t14 * t33
+    t36 = (t34.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t37 = (t36.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t35.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t38 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t21 * Mcausal.permute(1, 0)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t32 * t1).sum() + (1/(d_K*n_batch**2)) * (t37 * t1).sum()
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return t39
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5360,7 +6062,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = oe.contract('abc->bc', t14, optimize=[(0,)])
+    t17 = t14.sum((0,))
     t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -5386,7 +6088,7 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
 
@@ -5406,11 +6108,21 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = t2.transpose(-1, -2)
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = t8 + 0.0 + 0.0
-    t10 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t11 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return (t10, 0.0, t11,)
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = t18 + 0.0 + 0.0
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, 0.0, t21,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -5428,28 +6140,44 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t5 = W_V @ t4
     t6 = X @ t5
     t7 = X @ W_Q
-    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t9 = t7 @ t2
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = Mcausal * T
-    t12 = t4.transpose(-1, -2)
-    t13 = t11 @ t12
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = G @ t4
-    t17 = Mcausal * t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
-    t21 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t19, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t22 = t8 + t20 + t21
-    t23 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, t24, t25,)
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t7.reshape((L*n_batch, d_K)) @ t7.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t8
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
+    t14 = (t13.permute(1, 2, 0).reshape((L, L, L, 1)) * t6.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t15 = (t14.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = t7 @ t2
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = t4.transpose(-1, -2)
+    t23 = t21 @ t22
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = G @ t4
+    t27 = Mcausal * t26
+    t28 = t27 @ X
+    t29 = t0 @ t28
+    t30 = (n_batch**(-2)) * (t29.sum((0,)) * t29.sum((0,))).sum()
+    t31 = (t29.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t32 = (t7 @ t2)
+    t33 = (t31.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t34 = (t32.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t35 = (t34.permute(2, 0, 1) @ t6)
+    t36 = (t35.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t33.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t37 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t36 * Mcausal).sum()
+    t38 = t18 + t30 + t37
+    t39 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t40 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t41 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (t39, t40, t41,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -5469,19 +6197,39 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t6 = Mcausal * T
     t7 = t6 @ X
     t8 = X @ W_V
-    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t10 = t6 @ t8
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t15 = t9 + t13 + t14
-    t16 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t17 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16, t17, t18,)
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t7.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = (t8.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t10
+    t15 = (t12.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t16 = (t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t14.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t16 * Mcausal).sum()
+    t18 = t6 @ t8
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t9
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = t23 * t10
+    t25 = (t22.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t26 = (t25.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t24.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t27 = (1/(d_K*n_batch**2)) * (t26 * Mcausal).sum()
+    t28 = (G.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (X.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (t28.reshape((n_batch, L, n_batch, L, 1)) * t9.reshape((n_batch, L, n_batch, 1, L)))
+    t31 = (t30.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t32 = (t31.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t29.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t34 = (4/(L*d_K*d_V*n_batch**2)) * (t33 * Mcausal.permute(1, 0)).sum()
+    t35 = t17 + t27 + t34
+    t36 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t38 = torch.sqrt(torch.clamp(t35, min=0.0))
+    return (t36, t37, t38,)
 
 
 def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5500,31 +6248,47 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = t5.transpose(-1, -2)
-    t11 = t2.transpose(-1, -2)
-    t12 = t8.transpose(-1, -2)
-    t13 = t11 @ t12
-    t14 = (1/math.sqrt(d_K)) * t13
-    T = t14
-    t15 = Mcausal * T
-    t16 = t15 @ t10
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = t10 @ t19
-    t21 = t20 * t3
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t23, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
-    t26 = t9 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (t3.permute(1, 0).reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t15 = (t14.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t16 = (t15.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t17 = (t16.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t15.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.permute(0, 2, 3, 1)).sum()
+    t20 = t5.transpose(-1, -2)
+    t21 = t2.transpose(-1, -2)
+    t22 = t8.transpose(-1, -2)
+    t23 = t21 @ t22
+    t24 = (1/math.sqrt(d_K)) * t23
+    T = t24
+    t25 = Mcausal * T
+    t26 = t25 @ t20
+    F = t26
+    t27 = F - Y
+    t28 = (2/(L*d_V)) * t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = t20 @ t29
+    t31 = t30 * t3
+    t32 = t31 @ X
+    t33 = t0 @ t32
+    t34 = (n_batch**(-2)) * (t33.sum((0,)) * t33.sum((0,))).sum()
+    t35 = (t33.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t36 = (t8 @ t2)
+    t37 = (t35.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t38 = (t36.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t3.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t39 = (t38.permute(2, 1, 0) @ t7.permute(0, 2, 1))
+    t40 = (t39.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t37.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t41 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t40 * t3.permute(1, 0)).sum()
+    t42 = t19 + t34 + t41
+    t43 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t44 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t43, t44, t45,)
 
 
 def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -5543,11 +6307,21 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = t2.transpose(-1, -2)
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t10 = t9 + 0.0 + 0.0
-    t11 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return (t11, 0.0, t12,)
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (t3.permute(1, 0).reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
+    t15 = (t14.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t16 = (t15.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t17 = (t16.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t15.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.permute(0, 2, 3, 1)).sum()
+    t20 = t19 + 0.0 + 0.0
+    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t21, 0.0, t22,)
 
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -5570,19 +6344,39 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     T = t9
     t10 = Mcausal * T
     t11 = t10 @ X
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = t10 @ t4
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t18 = t12 + t16 + t17
-    t19 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, t20, t21,)
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t4.reshape((L*n_batch, d_V)) @ t4.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (t11.reshape((L*n_batch, d_V)) @ t11.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t13
+    t18 = (t15.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t19 = (t18.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t17.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t20 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t19 * t3).sum()
+    t21 = t10 @ t4
+    F = t21
+    t22 = F - Y
+    t23 = (2/(L*d_V)) * t22
+    G = t23
+    t24 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t24 * t12
+    t26 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t26 * t13
+    t28 = (t25.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t29 = (t28.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t27.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t30 = (1/(d_K*n_batch**2)) * (t29 * t3).sum()
+    t31 = (X.reshape((L*n_batch, d_V)) @ t11.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (G.reshape((L*n_batch, d_V)) @ t4.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = (t31.reshape((n_batch, L, n_batch, L, 1)) * t12.reshape((n_batch, L, n_batch, 1, L)))
+    t34 = (t33.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t35 = (t34.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t13.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t35.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t32.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t37 = (4/(L*d_K*d_V*n_batch**2)) * (t36 * t3.permute(1, 0)).sum()
+    t38 = t20 + t30 + t37
+    t39 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t40 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t41 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (t39, t40, t41,)
 
 
 def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -5606,22 +6400,42 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
     t12 = t3.transpose(-1, -2)
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = Mcausal * T
-    t15 = t11.transpose(-1, -2)
-    t16 = t14 @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, t12, X, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t22 = t13 + t20 + t21
-    t23 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, t24, t25,)
+    t13 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (t12.reshape((L*n_batch, d_K)) @ t12.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = (t16.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t18.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = Mcausal * T
+    t23 = t11.transpose(-1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t17 * t28
+    t31 = t15 * t29
+    t32 = (t30.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t33 = (t32.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t31.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t34 = (1/(d_K*n_batch**2)) * (t33 * t1).sum()
+    t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = (t17.reshape((n_batch, L, n_batch, L, 1)) * t35.reshape((n_batch, L, n_batch, 1, L)))
+    t38 = (t37.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t39 = (t38.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t40 = (t39.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.permute(1, 0)).sum()
+    t42 = t21 + t34 + t41
+    t43 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t44 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t43, t44, t45,)
 
 
 def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -5645,22 +6459,42 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = t10 @ t0
     t12 = X @ W_Q
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = Mcausal * T
-    t15 = t11.transpose(-1, -2)
-    t16 = t14 @ t15
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, X, t12, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t22 = t13 + t20 + t21
-    t23 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, t24, t25,)
+    t13 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.reshape((L*n_batch, d_K)) @ t12.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t14
+    t19 = (t16.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t18.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t20 * Mcausal).sum()
+    t22 = Mcausal * T
+    t23 = t11.transpose(-1, -2)
+    t24 = t22 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t17 * t28
+    t31 = t15 * t29
+    t32 = (t30.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t33 = (t32.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t31.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t34 = (1/(d_K*n_batch**2)) * (t33 * t1).sum()
+    t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = (t17.reshape((n_batch, L, n_batch, L, 1)) * t35.reshape((n_batch, L, n_batch, 1, L)))
+    t38 = (t37.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t39 = (t38.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t40 = (t39.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.permute(1, 0)).sum()
+    t42 = t21 + t34 + t41
+    t43 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t44 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t43, t44, t45,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -5684,7 +6518,7 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t10 @ X
     t12 = t0 @ t11
-    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
     t14 = t13 + 0.0 + 0.0
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
     t16 = torch.sqrt(torch.clamp(t14, min=0.0))
@@ -5705,7 +6539,9 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = X @ W_K
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t3[...] = oe.contract('abc,dc,ade,acf->adbef', t2, t5, X, t4, optimize=[(0, 1), (1, 2), (0, 1)])
+    t6 = (t5.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t7 = (t6.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t4).reshape((n_batch, L, d_V, d_K))
+    t3[...] = ((t7.reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
     return out
 
 
@@ -5720,9 +6556,10 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t2 = t0 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = X @ W_K
-    J = oe.contract('abc,dc,ace->adbe', t2, Mcausal, t3, optimize=[(0, 1), (0, 1)])
-    J4 = (1/math.sqrt(d_K)) * X
-    return (J, J4, )
+    t4 = (Mcausal.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    J = (t4.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t3).reshape((n_batch, L, d_V, d_K))
+    J5 = (1/math.sqrt(d_K)) * X
+    return (J, J5, )
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -5739,7 +6576,9 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = X @ W_Q
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t3[...] = oe.contract('abc,dc,ade,acf->adbfe', t2, t5, t4, X, optimize=[(0, 1), (1, 2), (0, 1)])
+    t6 = (t5.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t7 = (t6.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t3[...] = (t7.reshape((n_batch, L, d_V**2, 1)) * t4.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -5753,10 +6592,11 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    J = oe.contract('abc,dc,ace->adbe', t2, Mcausal, X, optimize=[(0, 1), (0, 1)])
-    t3 = X @ W_Q
-    J4 = (1/math.sqrt(d_K)) * t3
-    return (J, J4, )
+    t3 = (Mcausal.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    J = (t3.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t4 = X @ W_Q
+    J5 = (1/math.sqrt(d_K)) * t4
+    return (J, J5, )
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -5892,67 +6732,73 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = X @ W_Q
-    t22 = t5.transpose(-1, -2)
-    t23 = t22 @ X
-    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
-    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t28 = T @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t30 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
-    t27[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t23.transpose(-1, -2)
-    t35 = t21.transpose(-1, -2)
-    t36 = Y.transpose(-1, -2)
-    t37 = t36.sum(-2, keepdim=True)
-    t38 = t37.expand(*t37.shape[:-2], d_V, t37.shape[-1])
-    t39 = (1/(L*d_K*n_batch)) * t35
-    t40 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
-    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = oe.contract('abc,acd->bdac', t39, t21, optimize=[(0, 1)])
-    t45 = oe.contract('abc,acd,adce,aef->bfad', t34, t38, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47 = t46.view((d_V, d_K, d_V, d_V))
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t35
-    t49 = oe.contract('abc,acd,adce->bead', t34, t38, dA, optimize=[(1, 2), (0, 1)])
-    t50 = oe.contract('abc,acd->bdac', t48, t28, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t52 = t51.view((d_V, d_V, d_V, d_K))
-    t53 = t28.transpose(-1, -2)
-    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t55 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t17 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = X @ W_Q
+    t24 = t5.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t28 = ((t27.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t31 = T @ X
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t34 = ((t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t35 = ((t31.reshape((n_batch, L, d_V, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t38 = t25.transpose(-1, -2)
+    t39 = t23.transpose(-1, -2)
+    t40 = Y.transpose(-1, -2)
+    t41 = t40.sum(-2, keepdim=True)
+    t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
+    t43 = (1/(L*d_K*n_batch)) * t39
+    t44 = (t42.reshape((n_batch, d_V, L, 1)) * t38.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t45 = ((t18.permute(0, 2, 1, 3) @ t44.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t37[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = ((t23.reshape((n_batch, L, d_K, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t50 = ((t27.permute(0, 2, 1, 3) @ t44.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52 = t51.view((d_V, d_K, d_V, d_V))
+    t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t54 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t55 = ((t54.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t38.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t56 = ((t31.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
-    t59 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
-    t60 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
-    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t62 = t61.view((d_V, d_V, d_V, d_V))
-    t63 = (1/(L*n_batch)) * t53
-    t64 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t65 = oe.contract('abc,acd->bdac', t63, t28, optimize=[(0, 1)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t59 = t31.transpose(-1, -2)
+    t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t61 = ((t33.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t62 = ((X.reshape((n_batch, L, d_V, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t64 = t63.view((d_V, d_V, d_V, d_K))
+    t65 = ((t23.reshape((n_batch, L, d_K, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t66 = ((t33.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t64[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = t67.view((d_V, d_V, d_V, d_V))
+    t69 = (1/(L*n_batch)) * t59
+    t70 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t71 = ((t31.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t68[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
     return H
 
 
@@ -6027,37 +6873,77 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t16 = X @ W_Q
-    t17 = t3.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t16, t18, t0, t4, t6, dA, t16, t18, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = T @ X
-    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t21, t0, t4, t6, dA, t21, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = t18.transpose(-1, -2)
-    t25 = t16.transpose(-1, -2)
-    t26 = Y.transpose(-1, -2)
-    t27 = t26.sum(-2, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
-    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, X, t13, t24, t25, t28, dA, X, t13, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t24, t25, t28, dA, t16, t18, t24, t25, t28, dA, t16, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t24, t25, t28, dA, t21, t24, t25, t28, dA, t21, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = t21.transpose(-1, -2)
-    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, X, t13, t35, t6, dA, X, t13, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t35, t6, dA, t16, t18, t35, t6, dA, t16, t18, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t35, t6, dA, t21, t35, t6, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
+    t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = X @ W_Q
+    t24 = t3.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t27 = (t23.reshape((L*n_batch, d_K)) @ t23.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = t27 * t15
+    t29 = (t26.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t30 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t31 = (t30.reshape((L*n_batch, d_K*d_V)) @ t30.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t28).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = T @ X
+    t35 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t36 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t37 = (t36.reshape((L*n_batch, d_K*d_V)) @ t36.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t37 * t15
+    t39 = (t34.reshape((L*n_batch, d_V)) @ t34.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = (1/(L**2*d_K*n_batch**2)) * (t39 * t38).sum()
     t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    return (t15, t20, t23, t30, t32, t34, t37, t39, t41,)
+    t42 = t25.transpose(-1, -2)
+    t43 = t23.transpose(-1, -2)
+    t44 = Y.transpose(-1, -2)
+    t45 = t44.sum(-2, keepdim=True)
+    t46 = t45.expand(*t45.shape[:-2], d_V, t45.shape[-1])
+    t47 = (t43.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t43.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t48 = t16 * t47
+    t49 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t50 = (t49.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t42.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+    t51 = (t50.reshape((L*n_batch, d_K*d_V)) @ t50.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t52 = (1/(L**2*d_K**2*n_batch**2)) * (t51 * t48).sum()
+    t53 = torch.sqrt(torch.clamp(t52, min=0.0))
+    t54 = t27 * t47
+    t55 = (t26.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t56 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t42.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t57 = (t56.reshape((L*n_batch, d_V**2)) @ t56.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t58 = (1/(L**2*d_K**2*n_batch**2)) * (t57 * t54).sum()
+    t59 = torch.sqrt(torch.clamp(t58, min=0.0))
+    t60 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t61 = (t60.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t42.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t62 = (t61.reshape((L*n_batch, d_V**2)) @ t61.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t63 = t62 * t47
+    t64 = (1/(L**2*d_K*n_batch**2)) * (t39 * t63).sum()
+    t65 = torch.sqrt(torch.clamp(t64, min=0.0))
+    t66 = t34.transpose(-1, -2)
+    t67 = (t66.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t66.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t68 = (t35.reshape((n_batch, L*d_V, d_V)) @ t13).reshape((n_batch, L, d_V, d_K))
+    t69 = (t68.reshape((L*n_batch, d_K*d_V)) @ t68.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t70 = t16 * t67
+    t71 = (1/(L**2*d_K*n_batch**2)) * (t70 * t69).sum()
+    t72 = torch.sqrt(torch.clamp(t71, min=0.0))
+    t73 = (t35.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))
+    t74 = (t73.reshape((L*n_batch, d_V**2)) @ t73.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t75 = t27 * t67
+    t76 = (1/(L**2*d_K*n_batch**2)) * (t75 * t74).sum()
+    t77 = torch.sqrt(torch.clamp(t76, min=0.0))
+    t78 = (t35.reshape((L*n_batch, d_V**2)) @ t35.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t79 = t78 * t67
+    t80 = (1/(L**2*n_batch**2)) * (t79 * t39).sum()
+    t81 = torch.sqrt(torch.clamp(t80, min=0.0))
+    return (t22, t33, t41, t53, t59, t65, t72, t77, t81,)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6084,12 +6970,14 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t18 = ((t17.reshape((n_batch, d_K, L, 1, d_V)) @ t16.permute(0, 3, 2, 1).reshape((n_batch, d_K, L, d_V, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
+    t19 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6115,9 +7003,13 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t15 = (t13 @ t4)
+    t16 = (t15.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)) @ dA.permute(0, 2, 3, 1)).reshape((n_batch, d_V, L))
+    t17 = (t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t6.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t17 * t14).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6144,12 +7036,14 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t18 = ((t17.permute(0, 2, 1, 3) @ t16.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6175,11 +7069,18 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
+    t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6206,14 +7107,16 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t20 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t21 = ((t20.permute(0, 2, 1, 3) @ t19.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6239,13 +7142,20 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t16 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t13.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t22 = (t21.reshape((L*n_batch, d_K*d_V)) @ t21.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6272,12 +7182,13 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce->bead', t5, t7, dA, optimize=[(1, 2), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = ((t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t18 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6303,11 +7214,17 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = T @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t13, t0, t4, t6, dA, t13, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t15.reshape((L*n_batch, d_K*d_V)) @ t15.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6337,12 +7254,14 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
+    t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t22 = ((t21.reshape((n_batch, d_V, L, 1, d_V)) @ t20.permute(0, 3, 2, 1).reshape((n_batch, d_V, L, d_V, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6371,9 +7290,13 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t2.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t18 = (t16 @ t2)
+    t19 = (t18.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)) @ dA.permute(0, 2, 3, 1)).reshape((n_batch, d_V, L))
+    t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6403,14 +7326,16 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t21 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t22 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t23 = ((t22.permute(0, 2, 1, 3) @ t21.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -6439,13 +7364,20 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t19 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t20 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+    t25 = (t24.reshape((L*n_batch, d_K*d_V)) @ t24.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6475,12 +7407,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6509,11 +7443,18 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t2.transpose(-1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t18
+    t21 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6543,12 +7484,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = oe.contract('abc,acd,adce->bead', t3, t8, dA, optimize=[(1, 2), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, t17, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = ((t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t21 = ((t17.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6577,11 +7519,17 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = T @ X
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t2, t4, t7, dA, t16, t2, t4, t7, dA, t16, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t19 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t16.reshape((L*n_batch, d_V)) @ t16.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t21).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6609,10 +7557,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t17 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -6640,8 +7588,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6669,15 +7619,16 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = t3.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6704,14 +7655,20 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
     t17 = t15 @ t16
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_K))
+    t22 = (t21.reshape((L*n_batch, d_K*d_V)) @ t21.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6739,15 +7696,16 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = X @ W_Q
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t1
     t18 = t17 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t20 = ((t15.reshape((n_batch, L, d_K, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = ((t21.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6774,14 +7732,20 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, t14, t17, t7, t9, dA, t14, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.reshape((L*n_batch, d_V**2)) @ t21.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6809,10 +7773,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -6840,10 +7804,15 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -6883,22 +7852,22 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t24 = t21.sum((0,))
     t3 += oe.contract('a,bc->bca', t23, t24, optimize=[(0, 1)])
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = t25.view((d_V, d_K, d_V, d_V))
     t27 = t4 @ G
     t28 = t8 @ X
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t30 = oe.contract('abc->bca', t29, optimize=[(0,)])
-    t31 = oe.contract('abc->bca', t28, optimize=[(0,)])
+    t30 = t29.permute(1, 2, 0)
+    t31 = t28.permute(1, 2, 0)
     t26[...] = oe.contract('abc,dec->adeb', t30, t31, optimize=[(0, 1)])
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32[...] = 0
     t33 = t32.view((d_V, d_K, d_V, d_K))
     t34 = t33.diagonal(0, 1, 3)
     t35 = t21.transpose(-1, -2)
-    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
+    t36 = t35.sum((0,))
     t34 += oe.contract('a,bc->bca', t23, t36, optimize=[(0, 1)])
     t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t37[...] = 0
@@ -6909,21 +7878,21 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t42 = t41 @ t4
     t43 = t42 @ G
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t45 = oe.contract('abc->bca', t43, optimize=[(0,)])
-    t46 = oe.contract('abc->bca', t44, optimize=[(0,)])
+    t45 = t43.permute(1, 2, 0)
+    t46 = t44.permute(1, 2, 0)
     t39[...] = oe.contract('abc,dec->daeb', t45, t46, optimize=[(0, 1)])
     t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t48 = t47.view((d_V, d_V, d_V, d_K))
     t49 = t28.transpose(-1, -2)
     t50 = t27.transpose(-1, -2)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t52 = oe.contract('abc->bca', t51, optimize=[(0,)])
-    t53 = oe.contract('abc->bca', t50, optimize=[(0,)])
+    t52 = t51.permute(1, 2, 0)
+    t53 = t50.permute(1, 2, 0)
     t48[...] = oe.contract('abc,dec->adeb', t52, t53, optimize=[(0, 1)])
     t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_V, d_V, d_K))
     t56 = t43.transpose(-1, -2)
-    t57 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t57 = t56.permute(1, 2, 0)
     t55[...] = oe.contract('abc,dec->daeb', t57, t46, optimize=[(0, 1)])
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t58[...] = 0
@@ -7013,29 +7982,36 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 @ X
     t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t18 = (n_batch**(-2)) * (t17.sum((0,)) * t17.sum((0,))).sum()
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     t20 = t0 @ G
     t21 = t4 @ X
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = t17.transpose(-1, -2)
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t0 @ X
-    t28 = W_Q.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = t29 @ G
-    t31 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t30, t27, t30, optimize=[(0, 2), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = t21.transpose(-1, -2)
-    t34 = t20.transpose(-1, -2)
-    t35 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t34, t33, t34, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = (t20.reshape((n_batch, d_V**2)) @ t20.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t23 = (t21.reshape((n_batch, d_K*d_V)) @ t21.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t24 = (1/(d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t17.transpose(-1, -2)
+    t27 = (n_batch**(-2)) * (t26.sum((0,)) * t26.sum((0,))).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = t0 @ X
+    t30 = W_Q.transpose(-1, -2)
+    t31 = t30 @ t0
+    t32 = t31 @ G
+    t33 = (t29.reshape((n_batch, d_V**2)) @ t29.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t34 = (t32.reshape((n_batch, d_K*d_V)) @ t32.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
     t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = t30.transpose(-1, -2)
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t27, t37, t27, t37, optimize=[(0, 2), (0, 1), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    return (0.0, t19, t23, t26, 0.0, t32, t36, t39, 0.0,)
+    t37 = t21.transpose(-1, -2)
+    t38 = t20.transpose(-1, -2)
+    t39 = (t37.reshape((n_batch, d_K*d_V)) @ t37.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t40 = (t38.reshape((n_batch, d_V**2)) @ t38.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t39).sum()
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = t32.transpose(-1, -2)
+    t44 = (t43.reshape((n_batch, d_K*d_V)) @ t43.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t45 = (1/(d_K*n_batch**2)) * (t44 * t33).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return (0.0, t19, t25, t28, 0.0, t36, t42, t46, 0.0,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7112,7 +8088,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc->bc', t19, optimize=[(0,)])
+    t22 = t19.sum((0,))
     t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     return out
 
@@ -7145,7 +8121,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 @ X
     t17 = t0 @ t16
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t18 = (n_batch**(-2)) * (t17.sum((0,)) * t17.sum((0,))).sum()
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     return t19
 
@@ -7179,8 +8155,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = t1 @ G
     t16 = t5 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t18 = oe.contract('abc->bca', t17, optimize=[(0,)])
-    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t18 = t17.permute(1, 2, 0)
+    t19 = t16.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -7211,9 +8187,11 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t0 @ G
     t15 = t4 @ X
-    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t16 = (t14.reshape((n_batch, d_V**2)) @ t14.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t17 = (t15.reshape((n_batch, d_K*d_V)) @ t15.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t18 = (1/(d_K*n_batch**2)) * (t17 * t16).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7271,7 +8249,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = oe.contract('abc->bc', t20, optimize=[(0,)])
+    t23 = t20.sum((0,))
     t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
     return out
 
@@ -7305,7 +8283,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = X @ t15
     t17 = t16 @ X
     t18 = t0 @ t17
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)])
+    t19 = (n_batch**(-2)) * (t18.sum((0,)) * t18.sum((0,))).sum()
     t20 = torch.sqrt(torch.clamp(t19, min=0.0))
     return t20
 
@@ -7361,8 +8339,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t4 @ G
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t20 = t18.permute(1, 2, 0)
+    t21 = t19.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -7395,9 +8373,11 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (1/L) * t15
     G = t16
     t17 = t3 @ G
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t19 = (t17.reshape((n_batch, d_K*d_V)) @ t17.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7450,8 +8430,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = t16 @ X
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t19 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t20 = oe.contract('abc->bca', t17, optimize=[(0,)])
+    t19 = t18.permute(1, 2, 0)
+    t20 = t17.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
     return out
 
@@ -7483,9 +8463,11 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t14
     t15 = G.transpose(-1, -2)
     t16 = t15 @ X
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t16, t2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t17 = (t2.reshape((n_batch, d_K*d_V)) @ t2.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t18 = (t16.reshape((n_batch, d_V**2)) @ t16.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t19 = (1/(d_K*n_batch**2)) * (t18 * t17).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7519,8 +8501,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = X @ W_Q
     t18 = t16 @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = oe.contract('abc->bca', t18, optimize=[(0,)])
-    t21 = oe.contract('abc->bca', t19, optimize=[(0,)])
+    t20 = t18.permute(1, 2, 0)
+    t21 = t19.permute(1, 2, 0)
     t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
     return out
 
@@ -7553,9 +8535,11 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = X @ W_Q
     t17 = t15 @ t16
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t17, t1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t19 = (t17.reshape((n_batch, d_K*d_V)) @ t17.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t20 = (1/(d_K*n_batch**2)) * (t19 * t18).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7603,105 +8587,115 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = X @ W_Q
-    t22 = t5.transpose(-1, -2)
-    t23 = t22 @ X
-    t24 = oe.contract('abc,acd->bdac', t16, t21, optimize=[(0, 1)])
-    t25 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = t20.diagonal(0, 1, 3)
+    t17 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = X @ W_Q
+    t24 = t5.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t28 = ((t27.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t29 = t22.diagonal(0, 1, 3)
     F = t12
-    t27 = torch.exp(F - F.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = t8 * A28
-    t30 = t29 - Y
-    t31 = (1/L) * t30
-    G = t31
-    t32 = G @ t22
-    t33 = t32 @ X
-    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t39 = t4 @ X
-    t40 = T @ X
-    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42 = oe.contract('abc,cd,aed,aedf->bfae', t39, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, t40, optimize=[(0, 1)])
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t45 = oe.contract('abc,acd->bda', t44, G, optimize=[(0, 1)])
-    t46 = oe.contract('abc->bca', t39, optimize=[(0,)])
-    t38[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t38 += oe.contract('abc,dec->adeb', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = t23.transpose(-1, -2)
-    t50 = t21.transpose(-1, -2)
-    t51 = Y.transpose(-1, -2)
-    t52 = t51.sum(-2, keepdim=True)
-    t53 = t52.expand(*t52.shape[:-2], d_V, t52.shape[-1])
-    t54 = (1/(L*d_K*n_batch)) * t50
-    t55 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t54, X, optimize=[(0, 1)])
-    t57 = t48.diagonal(0, 1, 3)
-    t58 = G.transpose(-1, -2)
-    t59 = oe.contract('abc,acd,ade->be', t49, t58, X, optimize=[(0, 1), (0, 1)])
-    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 += oe.contract('a,bc->bca', t35, t59, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = t60.view((d_V, d_K, d_V, d_K))
-    t62 = oe.contract('abc,acd->bdac', t54, t21, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd,adce,aef->bfad', t49, t53, dA, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65 = t64.view((d_V, d_K, d_V, d_V))
-    t66 = t2 @ X
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
-    t69 = oe.contract('abc->bca', t66, optimize=[(0,)])
-    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t50
-    t71 = oe.contract('abc,cd,ade,aedf->bfae', t66, W_V, t53, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t72 = oe.contract('abc,acd->bdac', t70, t40, optimize=[(0, 1)])
-    t65[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
-    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t74 = t73.view((d_V, d_V, d_V, d_K))
-    t75 = t4.transpose(-1, -2)
-    t76 = t58 @ X
-    t77 = oe.contract('abc,acd->bda', t44, t75, optimize=[(0, 1)])
-    t78 = oe.contract('abc->bca', t76, optimize=[(0,)])
-    t79 = T.transpose(-1, -2)
-    t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
-    t81 = oe.contract('abc,abcd,ade->ceab', t8, dA, t15, optimize=[(0, 1), (0, 1)])
-    t82 = oe.contract('abc,acd,ade->bead', t2, t80, X, optimize=[(0, 1), (0, 1)])
-    t74[...] = oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
-    t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
-    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t84 = t83.view((d_V, d_V, d_V, d_K))
-    t85 = t58 @ t21
-    t86 = oe.contract('abc->bca', t85, optimize=[(0,)])
-    t87 = oe.contract('abc,acd->bda', t44, X, optimize=[(0, 1)])
-    t88 = oe.contract('abc,acd,ade->bead', t2, t80, t21, optimize=[(0, 1), (0, 1)])
-    t89 = oe.contract('abc,abcd,ade->ceab', t8, dA, t23, optimize=[(0, 1), (0, 1)])
-    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
-    t84 += oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
-    t90 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t91 = t90.view((d_V, d_V, d_V, d_V))
-    t92 = t40.transpose(-1, -2)
-    t93 = (1/(L*n_batch)) * t92
-    t94 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t95 = oe.contract('abc,acd->bdac', t93, t40, optimize=[(0, 1)])
-    t91[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t8 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = G @ t24
+    t36 = t35 @ X
+    t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = ((t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t29 += oe.contract('a,bc->bca', t38, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = t40.view((d_V, d_K, d_V, d_V))
+    t42 = t4 @ X
+    t43 = T @ X
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t45 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t46 = (W_V.permute(1, 0) @ t42.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t47 = ((t46.permute(1, 2, 0) @ t45.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
+    t48 = ((t43.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t50 = ((G.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
+    t51 = t42.permute(1, 2, 0)
+    t41[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t41 += oe.contract('abc,dec->adeb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = t25.transpose(-1, -2)
+    t55 = t23.transpose(-1, -2)
+    t56 = Y.transpose(-1, -2)
+    t57 = t56.sum(-2, keepdim=True)
+    t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
+    t59 = (1/(L*d_K*n_batch)) * t55
+    t60 = (t58.reshape((n_batch, d_V, L, 1)) * t54.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t61 = ((t18.permute(0, 2, 1, 3) @ t60.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t62 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t63 = t53.diagonal(0, 1, 3)
+    t64 = G.transpose(-1, -2)
+    t65 = (t64.permute(0, 2, 1) @ t54.permute(0, 2, 1))
+    t66 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t65.reshape((L*n_batch, d_V)))).permute(1, 0)
+    t53[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 += oe.contract('a,bc->bca', t38, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_K, d_V, d_K))
+    t69 = ((t23.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t70 = ((t27.permute(0, 2, 1, 3) @ t60.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72 = t71.view((d_V, d_K, d_V, d_V))
+    t73 = t2 @ X
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t75 = ((G.permute(0, 2, 1) @ t74.permute(0, 2, 1))).permute(2, 1, 0)
+    t76 = t73.permute(1, 2, 0)
+    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+    t78 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t79 = (W_V.permute(1, 0) @ t73.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t80 = ((t79.permute(1, 2, 0) @ t78.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
+    t81 = ((t43.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t72[...] = oe.contract('abc,dec->daeb', t75, t76, optimize=[(0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
+    t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t83 = t82.view((d_V, d_V, d_V, d_K))
+    t84 = t4.transpose(-1, -2)
+    t85 = t64 @ X
+    t86 = ((t84.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
+    t87 = t85.permute(1, 2, 0)
+    t88 = T.transpose(-1, -2)
+    t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
+    t90 = ((t45.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t91 = (t89.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t92 = ((t91.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t83[...] = oe.contract('abc,dec->adeb', t86, t87, optimize=[(0, 1)])
+    t83 += oe.contract('abcd,efcd->eafb', t90, t92, optimize=[(0, 1)])
+    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t94 = t93.view((d_V, d_V, d_V, d_K))
+    t95 = t64 @ t23
+    t96 = t95.permute(1, 2, 0)
+    t97 = ((X.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
+    t98 = ((t91.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t99 = ((t45.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t94[...] = oe.contract('abc,dec->daeb', t96, t97, optimize=[(0, 1)])
+    t94 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t101 = t100.view((d_V, d_V, d_V, d_V))
+    t102 = t43.transpose(-1, -2)
+    t103 = (1/(L*n_batch)) * t102
+    t104 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t105 = ((t43.reshape((n_batch, L, d_V, 1)) * t103.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t101[...] = oe.contract('abcd,efcd->eafb', t104, t105, optimize=[(0, 1)])
     return H
 
 
@@ -7800,53 +8794,138 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
+    t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
     F = t10
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t6 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t3.transpose(-1, -2)
-    t22 = G @ t21
-    t23 = t22 @ X
-    t24 = X @ W_Q
-    t25 = t21 @ X
-    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t23, t0, t23, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t23, t0, t4, t6, dA, t24, t25, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t24, t25, t0, t4, t6, dA, t24, t25, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t2 @ X
-    t29 = T @ X
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t28, W_V, t6, dA, t29, t0, t28, W_V, t6, dA, t29, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t28, W_V, t6, dA, t29, t0, t28, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t25.transpose(-1, -2)
-    t33 = G.transpose(-1, -2)
-    t34 = t24.transpose(-1, -2)
-    t35 = Y.transpose(-1, -2)
-    t36 = t35.sum(-2, keepdim=True)
-    t37 = t36.expand(*t36.shape[:-2], d_V, t36.shape[-1])
-    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t32, t33, X, t32, t33, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t32, t33, X, t32, t34, t37, dA, t13, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t32, t34, t37, dA, t13, X, t32, t34, t37, dA, t13, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t32, t34, t37, dA, t24, t25, t32, t34, t37, dA, t24, t25, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = t0 @ X
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t42, t34, G, t42, t34, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t42, t34, G, t42, t34, W_V, t37, dA, t29, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t42, t34, W_V, t37, dA, t29, t42, t34, W_V, t37, dA, t29, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = t2.transpose(-1, -2)
-    t46 = t33 @ X
-    t47 = T.transpose(-1, -2)
-    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t45, t46, t0, t45, t46, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t45, t46, t0, t47, t6, dA, X, t13, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, X, t13, t0, t47, t6, dA, X, t13, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
-    t50 = t33 @ t24
-    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t50, t0, X, t50, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t50, t0, t47, t6, dA, t24, t25, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t47, t6, dA, t24, t25, t0, t47, t6, dA, t24, t25, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
-    t53 = t29.transpose(-1, -2)
-    t54 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t53, t6, dA, t29, t53, t6, dA, t29, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
-    return (t15, t27, t31, t39, t41, t44, t49, t52, t55,)
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t6 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t3.transpose(-1, -2)
+    t29 = G @ t28
+    t30 = t29 @ X
+    t31 = (t30.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t32 = X @ W_Q
+    t33 = t28 @ X
+    t34 = (t32 @ t4)
+    t35 = t34 * t6
+    t36 = (t35.reshape((n_batch, L, 1, d_V)) @ dA).reshape((n_batch, L, d_V))
+    t37 = (t36 @ t33)
+    t38 = (t31 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t39 = (t33.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t40 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = t40 * t15
+    t42 = (t39.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t43 = (t42.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t44 = (t43.reshape((L*n_batch, d_K*d_V)) @ t43.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = (n_batch**(-2)) * (t31 * t31).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t38 * t37.permute(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t44 * t41).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    t47 = t2 @ X
+    t48 = T @ X
+    t49 = (W_V.permute(1, 0) @ t47.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t50 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t51 = (t50.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t49.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_K))
+    t52 = (t51.reshape((L*n_batch, d_K*d_V)) @ t51.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t53 = t52 * t15
+    t54 = (t48.reshape((L*n_batch, d_V)) @ t48.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t55 = (t47.reshape((d_K*n_batch, d_V)) @ t48.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, d_K, n_batch, L))
+    t56 = (t55.permute(2, 0, 3, 1).reshape((n_batch, L*n_batch, d_K)) @ t49.permute(1, 2, 0)).reshape((n_batch, n_batch, L, d_V))
+    t57 = (t56.permute(0, 2, 1, 3) @ t50)
+    t58 = (t57.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ G.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t59 = (t47.reshape((n_batch, d_K*d_V)) @ t47.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t60 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = (t60.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t62 = (1/(L**2*d_K*n_batch**2)) * (t54 * t53).sum() + (2/(L*d_K*n_batch**2)) * (t58 * t15.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t61 * t59).sum()
+    t63 = torch.sqrt(torch.clamp(t62, min=0.0))
+    t64 = t33.transpose(-1, -2)
+    t65 = G.transpose(-1, -2)
+    t66 = (t65.permute(0, 2, 1) @ t64.permute(0, 2, 1))
+    t67 = (t16.reshape((L*n_batch, L*n_batch)) @ t66.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t68 = t32.transpose(-1, -2)
+    t69 = Y.transpose(-1, -2)
+    t70 = t69.sum(-2, keepdim=True)
+    t71 = t70.expand(*t70.shape[:-2], d_V, t70.shape[-1])
+    t72 = (t13 @ t68)
+    t73 = (t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t74 = t73 * t71.permute(0, 2, 1)
+    t75 = (t74 @ t64.permute(0, 2, 1))
+    t76 = (t68.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t68.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t77 = t16 * t76
+    t78 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t79 = (t78.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t64.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+    t80 = (t79.reshape((L*n_batch, d_K*d_V)) @ t79.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t81 = (n_batch**(-2)) * (t67 * t66).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t67 * t75).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77).sum()
+    t82 = torch.sqrt(torch.clamp(t81, min=0.0))
+    t83 = t40 * t76
+    t84 = (t39.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t85 = (t84.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t64.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t86 = (t85.reshape((L*n_batch, d_V**2)) @ t85.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t87 = (1/(L**2*d_K**2*n_batch**2)) * (t86 * t83).sum()
+    t88 = torch.sqrt(torch.clamp(t87, min=0.0))
+    t89 = t0 @ X
+    t90 = (t89.reshape((n_batch, d_V**2)) @ t89.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t91 = (t60.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t76.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t93 = (t48.reshape((L*n_batch, d_V)) @ t89.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t94 = (t93.reshape((n_batch, L*n_batch, d_V)) @ t89).reshape((n_batch, L, n_batch, d_V))
+    t95 = (t94.reshape((L*n_batch**2, d_V)) @ W_V).reshape((n_batch, L, n_batch, d_V))
+    t96 = (t95 @ t92)
+    t97 = (t96.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ G.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t98 = (W_V.permute(1, 0) @ t89.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t99 = (t92.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t98.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_V))
+    t100 = (t99.reshape((L*n_batch, d_V**2)) @ t99.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t101 = t100 * t76
+    t102 = (1/(d_K*n_batch**2)) * (t91 * t90).sum() + (2/(L*d_K*n_batch**2)) * (t97 * t76.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t54 * t101).sum()
+    t103 = torch.sqrt(torch.clamp(t102, min=0.0))
+    t104 = t2.transpose(-1, -2)
+    t105 = t65 @ X
+    t106 = (t105.reshape((n_batch, d_V**2)) @ t105.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t107 = (t104.reshape((L*n_batch, d_K)) @ t104.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t108 = (t107.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t109 = T.transpose(-1, -2)
+    t110 = (t13.reshape((d_V*n_batch, d_K)) @ t104.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t111 = (t110.permute(0, 2, 1, 3) @ t15.permute(0, 2, 3, 1))
+    t112 = (X.reshape((L*n_batch, d_V)) @ t105.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t113 = (t112 @ t50)
+    t114 = (t113.reshape((n_batch, L, d_V*n_batch)) @ t111.reshape((n_batch, d_V*n_batch, L)))
+    t115 = (t15.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t109).reshape((n_batch, n_batch, L, L))
+    t116 = (t115.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t109).reshape((n_batch, n_batch, L, L))
+    t117 = t116 * t16.permute(0, 2, 3, 1)
+    t118 = (t50.reshape((n_batch, L*d_V, d_V)) @ t13).reshape((n_batch, L, d_V, d_K))
+    t119 = (t118.reshape((L*n_batch, d_K*d_V)) @ t118.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t120 = (1/(d_K*n_batch**2)) * (t108 * t106).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t109.permute(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t117.permute(0, 3, 1, 2)).sum()
+    t121 = torch.sqrt(torch.clamp(t120, min=0.0))
+    t122 = t65 @ t32
+    t123 = (t122.reshape((n_batch, d_K*d_V)) @ t122.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t124 = (t16.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t125 = (t33.reshape((d_V*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t126 = (t125.permute(0, 2, 1, 3) @ t15.permute(0, 2, 3, 1))
+    t127 = (t32.reshape((L*n_batch, d_K)) @ t122.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t128 = (t127 @ t50)
+    t129 = (t128.reshape((n_batch, L, d_V*n_batch)) @ t126.reshape((n_batch, d_V*n_batch, L)))
+    t130 = t116 * t40.permute(0, 2, 3, 1)
+    t131 = (t50.reshape((n_batch, L*d_V, d_V)) @ t33).reshape((n_batch, L, d_V, d_V))
+    t132 = (t131.reshape((L*n_batch, d_V**2)) @ t131.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t133 = (1/(d_K*n_batch**2)) * (t124 * t123).sum() + (2/(L*d_K*n_batch**2)) * (t129 * t109.permute(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t132 * t130.permute(0, 3, 1, 2)).sum()
+    t134 = torch.sqrt(torch.clamp(t133, min=0.0))
+    t135 = t48.transpose(-1, -2)
+    t136 = (t135.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t135.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t137 = (t50.reshape((L*n_batch, d_V**2)) @ t50.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t138 = t137 * t136
+    t139 = (1/(L**2*n_batch**2)) * (t138 * t54).sum()
+    t140 = torch.sqrt(torch.clamp(t139, min=0.0))
+    return (t22, t46, t63, t82, t88, t103, t121, t134, t140,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7873,12 +8952,14 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t18 = ((t17.reshape((n_batch, d_K, L, 1, d_V)) @ t16.permute(0, 3, 2, 1).reshape((n_batch, d_K, L, d_V, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
+    t19 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7904,9 +8985,13 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t13, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t15 = (t13 @ t4)
+    t16 = (t15.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)) @ dA.permute(0, 2, 3, 1)).reshape((n_batch, d_V, L))
+    t17 = (t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t6.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t17 * t14).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7933,12 +9018,14 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t18 = ((t17.permute(0, 2, 1, 3) @ t16.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7964,11 +9051,18 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
+    t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -7995,28 +9089,30 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bdac', t17, t14, optimize=[(0, 1)])
-    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = t0.diagonal(0, 1, 3)
+    t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t20 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t21 = ((t20.permute(0, 2, 1, 3) @ t19.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t22 = t0.diagonal(0, 1, 3)
     F = t11
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t7 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = G @ t15
-    t27 = t26 @ X
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t7 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = G @ t15
+    t29 = t28 @ X
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t32 = ((t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
+    t22 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -8047,17 +9143,30 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = t8.transpose(-1, -2)
     t15 = G @ t14
     t16 = t15 @ X
-    t17 = t4 @ t8
-    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t17 = (t16.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t18 = t4 @ t8
+    t19 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t21 = X @ W_Q
-    t22 = t14 @ X
-    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t16, t0, t17, t2, dA, t21, t22, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t17, t2, dA, t21, t22, t0, t17, t2, dA, t21, t22, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    dA = ((t21.reshape((d_V, d_V, 1)) * A20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A20.reshape((n_batch, L, d_V, 1)) * A20.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t22 = X @ W_Q
+    t23 = t14 @ X
+    t24 = (t22 @ t18)
+    t25 = t24 * t2
+    t26 = (t25.reshape((n_batch, L, 1, d_V)) @ dA).reshape((n_batch, L, d_V))
+    t27 = (t26 @ t23)
+    t28 = (t17 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t29 = (t23.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t30 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = (t22.reshape((L*n_batch, d_K)) @ t22.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t31 * t30
+    t33 = (t29.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t34 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t35 = (t34.reshape((L*n_batch, d_K*d_V)) @ t34.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (n_batch**(-2)) * (t17 * t17).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t28 * t27.permute(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t35 * t32).sum()
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return t37
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8084,23 +9193,25 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,cd,aed,aedf->bfae', t4, W_V, t6, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t18 = ((t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
+    t19 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t11
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t6 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = oe.contract('abc,acd->bda', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abc->bca', t4, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t24, t25, optimize=[(0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t6 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t26 = ((G.permute(0, 2, 1) @ t25.permute(0, 2, 1))).permute(2, 1, 0)
+    t27 = t4.permute(1, 2, 0)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -8126,18 +9237,32 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = T @ X
+    t14 = (W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t14.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_K))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t16.reshape((L*n_batch, d_K*d_V)) @ t16.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     F = t10
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t5 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = (t3.reshape((d_K*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, d_K, n_batch, L))
+    t27 = (t26.permute(2, 0, 3, 1).reshape((n_batch, L*n_batch, d_K)) @ t14.permute(1, 2, 0)).reshape((n_batch, n_batch, L, d_V))
+    t28 = (t27.permute(0, 2, 1, 3) @ t15)
+    t29 = (t28.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ G.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t30 = (t3.reshape((n_batch, d_K*d_V)) @ t3.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t31 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (t31.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t17.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t33 = (1/(L**2*d_K*n_batch**2)) * (t20 * t19).sum() + (2/(L*d_K*n_batch**2)) * (t29 * t17.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t32 * t30).sum()
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return t34
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8167,12 +9292,14 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acb->bac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aeb->bad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
+    t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t22 = ((t21.reshape((n_batch, d_V, L, 1, d_V)) @ t20.permute(0, 3, 2, 1).reshape((n_batch, d_V, L, d_V, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8201,9 +9328,13 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t2.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t8, t16, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t18 = (t16 @ t2)
+    t19 = (t18.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)) @ dA.permute(0, 2, 3, 1)).reshape((n_batch, d_V, L))
+    t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8233,29 +9364,32 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t23 = t0.diagonal(0, 1, 3)
-    t24 = Y.sum(-1, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-1], d_V)
+    t21 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t22 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t23 = ((t22.permute(0, 2, 1, 3) @ t21.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t25 = t0.diagonal(0, 1, 3)
+    t26 = Y.sum(-1, keepdim=True)
+    t27 = t26.expand(*t26.shape[:-1], d_V)
     F = t14
-    t26 = torch.exp(F - F.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = t25 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = G.transpose(-1, -2)
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = oe.contract('abc,acd,ade->be', t3, t31, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
+    t28 = torch.exp(F - F.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = t27 * A29
+    t31 = t30 - Y
+    t32 = (1/L) * t31
+    G = t32
+    t33 = G.transpose(-1, -2)
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = (t33.permute(0, 2, 1) @ t3.permute(0, 2, 1))
+    t37 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t36.reshape((L*n_batch, d_V)))).permute(1, 0)
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 += oe.contract('a,bc->bca', t35, t37, optimize=[(0, 1)])
     return out
 
 
@@ -8285,22 +9419,35 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = G.transpose(-1, -2)
-    t16 = W_Q.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = Y.transpose(-1, -2)
-    t19 = t18.sum(-2, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-2], d_V, t19.shape[-1])
-    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t16 = (t15.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t17.reshape((L*n_batch, L*n_batch)) @ t16.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t19 = W_Q.transpose(-1, -2)
+    t20 = t19 @ t0
+    t21 = Y.transpose(-1, -2)
+    t22 = t21.sum(-2, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
+    t24 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = t1.transpose(-1, -2)
-    t25 = t6.transpose(-1, -2)
-    t26 = t24 @ t25
-    t27 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t15, X, t2, t15, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t15, X, t2, t17, t20, dA, t26, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t17, t20, dA, t26, X, t2, t17, t20, dA, t26, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t27 = t1.transpose(-1, -2)
+    t28 = t6.transpose(-1, -2)
+    t29 = t27 @ t28
+    t30 = (t29 @ t20)
+    t31 = (t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t32 = t31 * t23.permute(0, 2, 1)
+    t33 = (t32 @ t2.permute(0, 2, 1))
+    t34 = (t29.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t35 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t20.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t17 * t35
+    t37 = (t34.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t38 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+    t39 = (t38.reshape((L*n_batch, d_K*d_V)) @ t38.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = (n_batch**(-2)) * (t18 * t16).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t18 * t33).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t39 * t36).sum()
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return t41
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8330,12 +9477,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = oe.contract('abc,acd->bdac', t18, t9, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8364,11 +9513,18 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t2.transpose(-1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t18
+    t21 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8401,8 +9557,8 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/L) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t19 = oe.contract('abc,acd->bda', t18, G, optimize=[(0, 1)])
-    t20 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t19 = ((G.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
+    t20 = t2.permute(1, 2, 0)
     t21 = Y.transpose(-1, -2)
     t22 = t21.sum(-2, keepdim=True)
     t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
@@ -8410,13 +9566,15 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t29 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t23, dA, optimize=[(2, 3), (0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, t27, optimize=[(0, 1)])
+    t29 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t30 = (W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t31 = ((t30.permute(1, 2, 0) @ t29.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
+    t32 = ((t27.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -8447,18 +9605,33 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = Y.transpose(-1, -2)
-    t18 = t17.sum(-2, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-2], d_V, t18.shape[-1])
-    t20 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t17 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t18 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t3.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t18.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t21 = Y.transpose(-1, -2)
+    t22 = t21.sum(-2, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t23 = T @ X
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t19, dA, t23, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t19, dA, t23, t1, t3, W_V, t19, dA, t23, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t27 = T @ X
+    t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (t27.reshape((L*n_batch, d_V)) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t30 = (t29.reshape((n_batch, L*n_batch, d_V)) @ t1).reshape((n_batch, L, n_batch, d_V))
+    t31 = (t30.reshape((L*n_batch**2, d_V)) @ W_V).reshape((n_batch, L, n_batch, d_V))
+    t32 = (t31 @ t28)
+    t33 = (t32.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, d_V)) @ G.permute(0, 2, 1)).reshape((n_batch, n_batch, L, L))
+    t34 = (W_V.permute(1, 0) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t35 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t34.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_V))
+    t36 = (t35.reshape((L*n_batch, d_V**2)) @ t35.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = t36 * t18
+    t38 = (t27.reshape((L*n_batch, d_V)) @ t27.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = (1/(d_K*n_batch**2)) * (t20 * t17).sum() + (2/(L*d_K*n_batch**2)) * (t33 * t18.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t38 * t37).sum()
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return t40
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8486,10 +9659,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, t11, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t17 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -8517,8 +9690,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t10, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8550,21 +9725,23 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = t15 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bda', t17, t2, optimize=[(0, 1)])
-    t19 = oe.contract('abc->bca', t16, optimize=[(0,)])
+    t18 = ((t2.permute(0, 2, 1) @ t17.permute(0, 2, 1))).permute(2, 1, 0)
+    t19 = t16.permute(1, 2, 0)
     t20 = T.transpose(-1, -2)
     t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t24 = t9.transpose(-1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t27 = oe.contract('abc,abcd,ade->ceab', t4, dA, t25, optimize=[(0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd,ade->bead', t1, t26, X, optimize=[(0, 1), (0, 1)])
+    t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t28 = ((t27.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t29 = (t26.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t30 = ((t29.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8594,17 +9771,33 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = G.transpose(-1, -2)
     t15 = t14 @ X
-    t16 = T.transpose(-1, -2)
-    t17 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t16 = (t15.reshape((n_batch, d_V**2)) @ t15.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t1.reshape((L*n_batch, d_K)) @ t1.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t18.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t17.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t20 = T.transpose(-1, -2)
+    t21 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
-    t20 = t8.transpose(-1, -2)
-    t21 = t20 @ t1
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t15, t0, t1, t15, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t15, t0, t16, t3, dA, X, t21, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t16, t3, dA, X, t21, t0, t16, t3, dA, X, t21, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t24 = t8.transpose(-1, -2)
+    t25 = t24 @ t1
+    t26 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t27 = (t25.reshape((d_V*n_batch, d_K)) @ t1.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t28 = (t27.permute(0, 2, 1, 3) @ t17.permute(0, 2, 3, 1))
+    t29 = (X.reshape((L*n_batch, d_V)) @ t15.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t30 = (t29 @ t26)
+    t31 = (t30.reshape((n_batch, L, d_V*n_batch)) @ t28.reshape((n_batch, d_V*n_batch, L)))
+    t32 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t20).reshape((n_batch, n_batch, L, L))
+    t34 = (t33.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t20).reshape((n_batch, n_batch, L, L))
+    t35 = t34 * t32.permute(0, 2, 3, 1)
+    t36 = (t26.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_K))
+    t37 = (t36.reshape((L*n_batch, d_K*d_V)) @ t36.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = (1/(d_K*n_batch**2)) * (t19 * t16).sum() + (2/(L*d_K*n_batch**2)) * (t31 * t20.permute(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t37 * t35.permute(0, 3, 1, 2)).sum()
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return t39
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8637,21 +9830,23 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = X @ W_Q
     t17 = t15 @ t16
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = oe.contract('abc->bca', t17, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bda', t18, X, optimize=[(0, 1)])
+    t19 = t17.permute(1, 2, 0)
+    t20 = ((X.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
     t21 = T.transpose(-1, -2)
     t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t25 = t9.transpose(-1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
-    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t16, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
+    t28 = (t27.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t29 = ((t28.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t31 = ((t30.reshape((n_batch, L*d_V, d_V)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8682,17 +9877,33 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = t14 @ t15
-    t17 = T.transpose(-1, -2)
-    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t17 = (t16.reshape((n_batch, d_K*d_V)) @ t16.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t18.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
+    t21 = T.transpose(-1, -2)
+    t22 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t21 = t8.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t16, t0, X, t16, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t16, t0, t17, t2, dA, t15, t22, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t17, t2, dA, t15, t22, t0, t17, t2, dA, t15, t22, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t25 = t8.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t28 = (t26.reshape((d_V*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t29 = (t28.permute(0, 2, 1, 3) @ t18.permute(0, 2, 3, 1))
+    t30 = (t15.reshape((L*n_batch, d_K)) @ t16.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
+    t31 = (t30 @ t27)
+    t32 = (t31.reshape((n_batch, L, d_V*n_batch)) @ t29.reshape((n_batch, d_V*n_batch, L)))
+    t33 = (t15.reshape((L*n_batch, d_K)) @ t15.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = (t18.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t21).reshape((n_batch, n_batch, L, L))
+    t35 = (t34.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t21).reshape((n_batch, n_batch, L, L))
+    t36 = t35 * t33.permute(0, 2, 3, 1)
+    t37 = (t27.reshape((n_batch, L*d_V, d_V)) @ t26).reshape((n_batch, L, d_V, d_V))
+    t38 = (t37.reshape((L*n_batch, d_V**2)) @ t37.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = (1/(d_K*n_batch**2)) * (t20 * t17).sum() + (2/(L*d_K*n_batch**2)) * (t32 * t21.permute(0, 2, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t38 * t36.permute(0, 3, 1, 2)).sum()
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return t40
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8720,10 +9931,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, t11, optimize=[(0, 1)])
+    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -8751,10 +9962,15 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -8779,13 +9995,20 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t4.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t13, t0, t4, t6, dA, X, t13, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t15 = t14 + 0.0 + 0.0
-    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16, 0.0, t17,)
+    t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
+    t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
+    t22 = t21 + 0.0 + 0.0
+    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, 0.0, t24,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -8810,28 +10033,40 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t15, t0, t4, t6, dA, t13, t15, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t16 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t13.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t22 = (t21.reshape((L*n_batch, d_K*d_V)) @ t21.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
     F = t10
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t6 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = G @ t14
-    t23 = t22 @ X
-    t24 = t0 @ t23
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t15, t24, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t27 = t16 + t25 + t26
-    t28 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return (t28, t29, t30,)
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t6 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = G @ t14
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = (n_batch**(-2)) * (t31.sum((0,)) * t31.sum((0,))).sum()
+    t33 = (t13 @ t4)
+    t34 = t33 * t6
+    t35 = (t34.reshape((n_batch, L, 1, d_V)) @ dA).reshape((n_batch, L, d_V))
+    t36 = (t31.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t37 = (t35 @ t15)
+    t38 = (2/(L*d_K**(3/2)*n_batch**2)) * (t37 * t36.permute(1, 2, 0)).sum()
+    t39 = t23 + t32 + t38
+    t40 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t41 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t42 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return (t40, t41, t42,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -8856,25 +10091,36 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = T @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t13, t0, t4, t6, dA, t13, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t15.reshape((L*n_batch, d_K*d_V)) @ t15.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (1/(L**2*d_K*n_batch**2)) * (t19 * t18).sum()
     F = t10
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t6 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = t0 @ G
-    t21 = t2 @ X
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t20, t21, t20, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t20, t21, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
-    t24 = t14 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t6 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t0 @ G
+    t27 = t2 @ X
+    t28 = (t26.reshape((n_batch, d_V**2)) @ t26.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t29 = (t27.reshape((n_batch, d_K*d_V)) @ t27.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t30 = (1/(d_K*n_batch**2)) * (t29 * t28).sum()
+    t31 = (t26.permute(0, 2, 1).reshape((d_V*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t32 = (t31.permute(2, 3, 0, 1) @ t15)
+    t33 = (t32.reshape((L*n_batch, d_K*n_batch)) @ t27.reshape((d_K*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t34 = (2/(L*d_K*n_batch**2)) * (t33 * t13).sum()
+    t35 = t20 + t30 + t34
+    t36 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t38 = torch.sqrt(torch.clamp(t35, min=0.0))
+    return (t36, t37, t38,)
 
 
 def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -8902,31 +10148,43 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t18, t2, t4, t7, dA, X, t18, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t20 = Y.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t19 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t20 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+    t25 = (t24.reshape((L*n_batch, d_K*d_V)) @ t24.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
+    t27 = Y.sum(-1, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-1], d_V)
     F = t13
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t21 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = t1 @ t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
-    t32 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t18, t30, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t33 = t19 + t31 + t32
-    t34 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t35 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t36 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return (t34, t35, t36,)
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t28 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G.transpose(-1, -2)
+    t35 = t1 @ t34
+    t36 = t35 @ X
+    t37 = t0 @ t36
+    t38 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
+    t39 = (t18 @ t4)
+    t40 = (t39.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t41 = (t37.sum((0,)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t42 = (t41.permute(1, 2, 0) @ t2)
+    t43 = t40 * t7.permute(0, 2, 1)
+    t44 = (2/(L*d_K**(3/2)*n_batch**2)) * (t43 * t42).sum()
+    t45 = t26 + t38 + t44
+    t46 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t47 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t48 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return (t46, t47, t48,)
 
 
 def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -8954,13 +10212,20 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t2.transpose(-1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t8, t16, t2, t4, t7, dA, t8, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
-    t18 = t17 + 0.0 + 0.0
-    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, 0.0, t20,)
+    t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t18
+    t21 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
+    t25 = t24 + 0.0 + 0.0
+    t26 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, 0.0, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -8988,27 +10253,39 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = T @ X
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t2, t4, t7, dA, t16, t2, t4, t7, dA, t16, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = t0 @ X
-    t19 = Y.sum(-1, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-1], d_V)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t19 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t16.reshape((L*n_batch, d_V)) @ t16.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t21).sum()
+    t24 = t0 @ X
+    t25 = Y.sum(-1, keepdim=True)
+    t26 = t25.expand(*t25.shape[:-1], d_V)
     F = t13
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t20 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t4 @ G
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t26, t18, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t26, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t29 = t17 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    t27 = torch.exp(F - F.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = t26 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = t4 @ G
+    t33 = (t24.reshape((n_batch, d_V**2)) @ t24.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t34 = (t32.reshape((n_batch, d_K*d_V)) @ t32.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
+    t36 = (t24.permute(0, 2, 1).reshape((d_V*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, d_V*n_batch))).reshape((n_batch, d_V, n_batch, d_V))
+    t37 = (t36.permute(2, 0, 3, 1).reshape((n_batch, d_V*n_batch, d_V)) @ t16.permute(0, 2, 1)).reshape((n_batch, n_batch, d_V, L))
+    t38 = (t37.permute(0, 3, 1, 2) @ t17)
+    t39 = (t38.reshape((L*n_batch, d_V*n_batch)) @ t32.permute(0, 2, 1).reshape((d_V*n_batch, d_K))).reshape((n_batch, L, d_K))
+    t40 = (2/(L*d_K*n_batch**2)) * (t39 * t4.permute(0, 2, 1)).sum()
+    t41 = t23 + t35 + t40
+    t42 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t43 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t44 = torch.sqrt(torch.clamp(t41, min=0.0))
+    return (t42, t43, t44,)
 
 
 def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -9034,29 +10311,42 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
     t17 = t15 @ t16
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = t0 @ t16
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_K))
+    t22 = (t21.reshape((L*n_batch, d_K*d_V)) @ t21.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = t0 @ t16
     F = t11
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t29 = t18 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t9 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = t31 @ X
+    t33 = (t25.reshape((n_batch, d_K*d_V)) @ t25.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t34 = (t32.reshape((n_batch, d_V**2)) @ t32.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
+    t36 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t37 = (t25.permute(0, 2, 1).reshape((d_K*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, d_K, n_batch, L))
+    t38 = (t37.permute(2, 3, 0, 1) @ t36.permute(0, 2, 1, 3))
+    t39 = (t32.reshape((d_V*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t40 = (t39.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, 1, n_batch)) @ t38.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, n_batch, 1))).reshape((d_V, n_batch, L))
+    t41 = (2/(L*d_K*n_batch**2)) * (t40 * t9.permute(2, 0, 1)).sum()
+    t42 = t24 + t35 + t41
+    t43 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t44 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t43, t44, t45,)
 
 
 def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -9082,29 +10372,42 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, t14, t17, t7, t9, dA, t14, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = t0 @ X
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.reshape((L*n_batch, d_V**2)) @ t21.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t20 * t19
+    t24 = (1/(L**2*d_K*n_batch**2)) * (t23 * t22).sum()
+    t25 = t0 @ X
     F = t11
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = t25 @ t14
-    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t26, t19, t26, optimize=[(0, 2), (0, 1), (0, 1)])
-    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t26, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
-    t29 = t18 + t27 + t28
-    t30 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, t31, t32,)
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t9 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = t31 @ t14
+    t33 = (t25.reshape((n_batch, d_V**2)) @ t25.permute(1, 2, 0).reshape((d_V**2, n_batch)))
+    t34 = (t32.reshape((n_batch, d_K*d_V)) @ t32.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * t33).sum()
+    t36 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+    t37 = (t25.permute(0, 2, 1).reshape((d_V*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t38 = (t37.permute(2, 3, 0, 1) @ t36.permute(0, 2, 1, 3))
+    t39 = (t32.reshape((d_V*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
+    t40 = (t39.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, 1, n_batch)) @ t38.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, n_batch, 1))).reshape((d_V, n_batch, L))
+    t41 = (2/(L*d_K*n_batch**2)) * (t40 * t9.permute(2, 0, 1)).sum()
+    t42 = t24 + t35 + t41
+    t43 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t44 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t43, t44, t45,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -9130,12 +10433,17 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t10, t7, t9, dA, t10, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = t14 + 0.0 + 0.0
-    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16, 0.0, t17,)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = t19 + 0.0 + 0.0
+    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t21, 0.0, t22,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -9236,60 +10544,87 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = X @ W_Q
-    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
-    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    t27 = t11 @ X
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t29 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t28, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t30 = oe.contract('abc->cab', t27, optimize=[(0,)])
-    t26[...] = oe.contract('abcde,fde->abfc', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t22.transpose(-1, -2)
-    t34 = Mcausal.transpose(-1, -2)
-    t35 = Y.transpose(-1, -2)
-    t36 = t35.sum(-2, keepdim=True)
-    t37 = t36.expand(*t36.shape[:-2], d_V, t36.shape[-1])
-    t38 = (1/(L*d_K*n_batch)) * t34
-    t39 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t32[...] = oe.contract('abcde,fde->abfc', t39, t19, optimize=[(0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t42 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t33, t38, t5, t37, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t41[...] = oe.contract('abc,defbc->defa', t23, t42, optimize=[(0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t46 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t33, t45, t5, t37, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t44[...] = oe.contract('abcde,fde->abfc', t46, t30, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = t27.transpose(-1, -2)
-    t50 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, t16, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48[...] = oe.contract('abcde,fde->abfc', t50, t19, optimize=[(0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_V, d_V, d_K))
-    t53 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t49, t7, dA, t15, t28, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t52[...] = oe.contract('abc,defbc->defa', t23, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = t54.view((d_V, d_V, d_V, d_V))
-    t56 = (1/(L*n_batch)) * t49
-    t57 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
-    t58 = oe.contract('abc,acd->bdac', t56, t27, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
+    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t26 = X.permute(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = X @ W_Q
+    t30 = t29.permute(2, 0, 1)
+    t31 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+    t32 = ((t31.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
+    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = t33.view((d_V, d_K, d_V, d_V))
+    t35 = t11 @ X
+    t36 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t37 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t38 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t39 = (t38.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t36.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t40 = (t39.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t41 = ((t40.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t42 = t35.permute(2, 0, 1)
+    t34[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_V, d_K))
+    t45 = t29.transpose(-1, -2)
+    t46 = Mcausal.transpose(-1, -2)
+    t47 = Y.transpose(-1, -2)
+    t48 = t47.sum(-2, keepdim=True)
+    t49 = t48.expand(*t48.shape[:-2], d_V, t48.shape[-1])
+    t50 = (1/(L*d_K*n_batch)) * t46
+    t51 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t52 = (t51.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t53 = (t52.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t50.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t54 = (t53.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t55 = (t54.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t56 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t57 = ((t56.reshape((n_batch, L, d_K*d_V, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
+    t44[...] = oe.contract('abcde,fde->abfc', t57, t26, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_K))
+    t60 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t61 = ((t60.reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
+    t59[...] = oe.contract('abc,defbc->defa', t30, t61, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = t62.view((d_V, d_K, d_V, d_V))
+    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t46
+    t65 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t66 = (t65.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t67 = (t66.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t64.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t68 = (t67.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t69 = ((t68.reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
+    t63[...] = oe.contract('abcde,fde->abfc', t69, t42, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t71 = t70.view((d_V, d_V, d_V, d_K))
+    t72 = t35.transpose(-1, -2)
+    t73 = (t18.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t36.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t74 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t75 = (t7.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t76 = ((t75.reshape((n_batch, L, d_V, d_V, 1)) * t74.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
+    t71[...] = oe.contract('abcde,fde->abfc', t76, t26, optimize=[(0, 1)])
+    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t78 = t77.view((d_V, d_V, d_V, d_K))
+    t79 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t80 = ((t75.reshape((n_batch, L, d_V, d_V, 1)) * t79.reshape((n_batch, L, d_V, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t78[...] = oe.contract('abc,defbc->defa', t30, t80, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t82 = t81.view((d_V, d_V, d_V, d_V))
+    t83 = (1/(L*n_batch)) * t72
+    t84 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t85 = ((t35.reshape((n_batch, L, d_V, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t82[...] = oe.contract('abcd,efcd->eafb', t84, t85, optimize=[(0, 1)])
     return H
 
 
@@ -9371,36 +10706,88 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t17 = X @ W_Q
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t9 @ X
-    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t20, t0, t2, Mcausal, t3, t5, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = t17.transpose(-1, -2)
-    t24 = Mcausal.transpose(-1, -2)
-    t25 = Y.transpose(-1, -2)
-    t26 = t25.sum(-2, keepdim=True)
-    t27 = t26.expand(*t26.shape[:-2], d_V, t26.shape[-1])
-    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, t0, t23, t24, t3, t27, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, t0, t23, t24, t3, t27, dA, t13, Mcausal, t17, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t23, t24, t3, t27, dA, t20, t0, t23, t24, t3, t27, dA, t20, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = t20.transpose(-1, -2)
-    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, X, t14, t34, t5, dA, t13, Mcausal, X, t14, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t30 = X @ W_Q
+    t31 = (t30.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t31 * t16
+    t33 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t35 = (1/(L**2*d_K**2*n_batch**2)) * (t34 * t18.permute(0, 2, 3, 1)).sum()
     t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t34, t5, dA, t13, Mcausal, t17, X, t34, t5, dA, t13, Mcausal, t17, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    t39 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t34, t5, dA, t20, t34, t5, dA, t20, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    return (t16, t19, t22, t29, t31, t33, t36, t38, t40,)
+    t37 = t9 @ X
+    t38 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t39 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t40 = (t37.reshape((L*n_batch, d_V)) @ t37.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = t40 * t16
+    t42 = (t39.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t43 = (t42.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t44 = (t43.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t42.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t45 = (1/(L**2*d_K*n_batch**2)) * (t44 * t41.permute(0, 2, 3, 1)).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    t47 = t30.transpose(-1, -2)
+    t48 = Mcausal.transpose(-1, -2)
+    t49 = Y.transpose(-1, -2)
+    t50 = t49.sum(-2, keepdim=True)
+    t51 = t50.expand(*t50.shape[:-2], d_V, t50.shape[-1])
+    t52 = (t47.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t47.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t53 = t18 * t52
+    t54 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t55 = (t54.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t56 = (t55.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t57 = (t56.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t58 = (t57.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t59 = (t58.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t53.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t60 = (t59.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t57.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t61 = (1/(L**2*d_K**2*n_batch**2)) * (t60 * t20.permute(0, 2, 3, 1)).sum()
+    t62 = torch.sqrt(torch.clamp(t61, min=0.0))
+    t63 = t31 * t52
+    t64 = (t58.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t63.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t65 = (t64.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t57.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t66 = (1/(L**2*d_K**2*n_batch**2)) * (t65 * t18.permute(0, 2, 3, 1)).sum()
+    t67 = torch.sqrt(torch.clamp(t66, min=0.0))
+    t68 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t69 = (t68.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t70 = t40 * t52
+    t71 = (t69.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t72 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t73 = (t72.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t71.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t74 = (1/(L**2*d_K*n_batch**2)) * (t73 * t70.permute(0, 2, 3, 1)).sum()
+    t75 = torch.sqrt(torch.clamp(t74, min=0.0))
+    t76 = t37.transpose(-1, -2)
+    t77 = (t76.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t76.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t78 = t18 * t77
+    t79 = (t21.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t80 = (t79.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t78.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t81 = (t80.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t79.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t82 = (1/(L**2*d_K*n_batch**2)) * (t81 * t20.permute(0, 2, 3, 1)).sum()
+    t83 = torch.sqrt(torch.clamp(t82, min=0.0))
+    t84 = t31 * t77
+    t85 = (t79.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t84.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t86 = (t85.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t79.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t87 = (1/(L**2*d_K*n_batch**2)) * (t86 * t18.permute(0, 2, 3, 1)).sum()
+    t88 = torch.sqrt(torch.clamp(t87, min=0.0))
+    t89 = (t38.reshape((L*n_batch, d_V**2)) @ t38.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t90 = t89 * t77
+    t91 = (1/(L**2*n_batch**2)) * (t90 * t40).sum()
+    t92 = torch.sqrt(torch.clamp(t91, min=0.0))
+    return (t29, t36, t46, t62, t67, t75, t83, t88, t92,)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9428,13 +10815,19 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t23 = ((t22.permute(0, 3, 1, 2) @ t15.permute(0, 2, 1).reshape((n_batch, d_K, L, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
+    t24 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -9461,10 +10854,18 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t16 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t17 = (t14 @ t2)
+    t18 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, L, L**2, 1)) * t15.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(2, 3, 1, 0) @ t17.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
+    t22 = (t21.permute(2, 0, 1) @ Mcausal.reshape((L, L, 1))).reshape((L, L))
+    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9492,13 +10893,20 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
+    t24 = ((t23.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t25 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9525,12 +10933,25 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9558,13 +10979,20 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t17 = t15.permute(2, 0, 1)
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+    t25 = ((t24.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9591,12 +11019,25 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9624,12 +11065,16 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t1, t3, t15, t4, t6, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t18 = (t17.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t19 = (t18.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t20 = ((t19.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t21 = t14.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9656,11 +11101,20 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t9 @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, t3, t5, dA, t13, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t15.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t22 = (t21.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t20.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.permute(0, 2, 3, 1)).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9692,12 +11146,18 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = ((t26.permute(0, 3, 1, 2) @ X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
     return out
 
 
@@ -9728,9 +11188,17 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (X @ t0)
+    t21 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.reshape((n_batch, L, L**2, 1)) * t18.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(2, 3, 1, 0) @ t20.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
+    t25 = (t24.permute(2, 0, 1) @ t3.permute(1, 0).reshape((L, L, 1))).reshape((L, L))
+    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9762,13 +11230,20 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
+    t28 = ((t27.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
+    t29 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -9799,12 +11274,25 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t26 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t28 = (t27.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t29 = (t28.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t30 = (t29.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t24.permute(0, 2, 3, 1)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return t33
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9836,12 +11324,19 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    t20 = t9.permute(2, 0, 1)
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t28 = ((t27.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
     return out
 
 
@@ -9872,11 +11367,24 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t26 = (t25.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t28 = (t27.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.permute(0, 2, 3, 1)).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9908,12 +11416,16 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t1, t3, t19, t5, t8, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t21 = oe.contract('abc->cab', t18, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
+    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t24 = ((t23.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
+    t25 = t18.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9944,11 +11456,20 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t13 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, t4, t7, dA, t17, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t17.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t25 = (t24.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t26 = (t25.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t24.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9979,10 +11500,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t18 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
+    t19 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -10013,8 +11534,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t17 = oe.contract('abcc,abc->ab', dA, t11)
+    return (1/(L*n_batch)) * (t17 * t16).sum()
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10045,14 +11568,18 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t4.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, t19, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
+    t24 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t25 = ((t24.reshape((n_batch, L, d_V, d_V, 1)) * t23.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
+    t26 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -10082,13 +11609,22 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10119,14 +11655,18 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc->cab', t19, optimize=[(0,)])
-    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t18, t20, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
+    t21 = t19.permute(2, 0, 1)
+    t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t26 = ((t25.reshape((n_batch, L, d_V, d_V, 1)) * t24.reshape((n_batch, L, d_V, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t21, t26, optimize=[(0, 1)])
     return out
 
 
@@ -10156,13 +11696,22 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10193,10 +11742,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t18 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -10227,10 +11776,15 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -10273,46 +11827,48 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t26 = t23.sum((0,))
     t3 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
     t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t28 = t27.view((d_V, d_K, d_V, d_V))
     t29 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t30 = oe.contract('abc,cd,ace->bead', t4, t29, G, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
-    t28[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = t23.transpose(-1, -2)
-    t36 = oe.contract('abc->bc', t35, optimize=[(0,)])
-    t34 += oe.contract('a,bc->bca', t25, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t40 = W_Q.transpose(-1, -2)
-    t41 = t40 @ t4
-    t42 = Mcausal.transpose(-1, -2)
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t44 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
-    t45 = oe.contract('abc,cd,ace->bead', t4, t43, X, optimize=[(0, 1), (0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t48 = G.transpose(-1, -2)
-    t49 = t8.transpose(-1, -2)
-    t50 = oe.contract('abc,cd,ace->bead', t4, t43, t49, optimize=[(0, 1), (0, 1)])
-    t51 = oe.contract('abc,acd->bdac', t48, X, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_V, d_V, d_K))
-    t54 = t41.transpose(-1, -2)
-    t55 = oe.contract('abc,acd->bdac', t48, t54, optimize=[(0, 1)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t45, optimize=[(0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56[...] = 0
+    t30 = (t29.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t31 = ((t30.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33[...] = 0
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = t34.diagonal(0, 1, 3)
+    t36 = t23.transpose(-1, -2)
+    t37 = t36.sum((0,))
+    t35 += oe.contract('a,bc->bca', t25, t37, optimize=[(0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38[...] = 0
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
+    t41 = W_Q.transpose(-1, -2)
+    t42 = t41 @ t4
+    t43 = Mcausal.transpose(-1, -2)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t45 = ((G.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t46 = (t44.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t47 = ((t46.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t40[...] = oe.contract('abcd,efcd->eafb', t45, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = G.transpose(-1, -2)
+    t51 = t8.transpose(-1, -2)
+    t52 = ((t46.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t51).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t53 = ((X.reshape((n_batch, L, d_V, 1)) * t50.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t49[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t56 = t42.transpose(-1, -2)
+    t57 = ((t56.reshape((n_batch, L, d_K, 1)) * t50.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t55[...] = oe.contract('abcd,efcd->eafb', t57, t47, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58[...] = 0
     return H
 
 
@@ -10410,26 +11966,48 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal * t16
     t18 = t17 @ X
     t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t20 = (n_batch**(-2)) * (t19.sum((0,)) * t19.sum((0,))).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t4, Mcausal, G, X, t0, t4, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = t19.transpose(-1, -2)
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = W_Q.transpose(-1, -2)
-    t28 = t27 @ t0
-    t29 = Mcausal.transpose(-1, -2)
-    t30 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t29, X, G, t0, t28, t29, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t24 * t22
+    t26 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t26 * t23
+    t28 = (t25.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t29 = (t28.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t27.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t30 = (1/(d_K*n_batch**2)) * (t29 * Mcausal).sum()
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = G.transpose(-1, -2)
-    t33 = t4.transpose(-1, -2)
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, t33, X, t0, t32, t29, t33, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = t28.transpose(-1, -2)
-    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t32, t29, X, t36, t0, t32, t29, X, t36, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    return (0.0, t21, t23, t26, 0.0, t31, t35, t38, 0.0,)
+    t32 = t19.transpose(-1, -2)
+    t33 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum()
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = W_Q.transpose(-1, -2)
+    t36 = t35 @ t0
+    t37 = Mcausal.transpose(-1, -2)
+    t38 = (t36.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t36.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = t26 * t22
+    t40 = t24 * t38
+    t41 = (t39.reshape((L*n_batch**2, L)) @ t37).reshape((n_batch, L, n_batch, L))
+    t42 = (t41.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t40.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t43 = (1/(d_K*n_batch**2)) * (t42 * t37).sum()
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = G.transpose(-1, -2)
+    t46 = t4.transpose(-1, -2)
+    t47 = (t45.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t45.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t48 = (t46.reshape((L*n_batch, d_K)) @ t46.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t49 = t48 * t22
+    t50 = t26 * t47
+    t51 = (t49.reshape((L*n_batch**2, L)) @ t37).reshape((n_batch, L, n_batch, L))
+    t52 = (t51.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t50.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t53 = (1/(d_K*n_batch**2)) * (t52 * t37).sum()
+    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
+    t55 = t36.transpose(-1, -2)
+    t56 = (t55.reshape((L*n_batch, d_K)) @ t55.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t57 = t56 * t47
+    t58 = (t41.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t57.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t59 = (1/(d_K*n_batch**2)) * (t58 * t37).sum()
+    t60 = torch.sqrt(torch.clamp(t59, min=0.0))
+    return (0.0, t21, t31, t34, 0.0, t44, t54, t60, 0.0,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -10509,7 +12087,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = oe.contract('abc->bc', t21, optimize=[(0,)])
+    t24 = t21.sum((0,))
     t1 += oe.contract('a,bc->bca', t23, t24, optimize=[(0, 1)])
     return out
 
@@ -10545,7 +12123,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal * t16
     t18 = t17 @ X
     t19 = t0 @ t18
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)])
+    t20 = (n_batch**(-2)) * (t19.sum((0,)) * t19.sum((0,))).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -10579,9 +12157,10 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t17 = oe.contract('abc,cd,ace->bead', t1, t16, G, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = (t16.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10611,9 +12190,17 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = t12 - Y
     t14 = (1/L) * t13
     G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t16
+    t21 = (t18.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t22 = (t21.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t20.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t23 = (1/(d_K*n_batch**2)) * (t22 * Mcausal).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -10675,7 +12262,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = oe.contract('abc->bc', t23, optimize=[(0,)])
+    t26 = t23.sum((0,))
     t1 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
     return out
 
@@ -10713,7 +12300,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 * t18
     t20 = t19 @ X
     t21 = t0 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t22 = (n_batch**(-2)) * (t21.sum((0,)) * t21.sum((0,))).sum()
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     return t23
 
@@ -10770,9 +12357,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t20 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t22 = ((t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10805,9 +12393,17 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = t15 - Y
     t17 = (1/L) * t16
     G = t17
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = (t21.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t25 = (t24.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t23.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * t3).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -10862,9 +12458,10 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = oe.contract('abc,cd,ace->bead', t1, t19, t18, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10897,9 +12494,17 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = Mcausal.transpose(-1, -2)
     t17 = t4.transpose(-1, -2)
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, t17, X, t0, t15, t16, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = (t21.reshape((L*n_batch**2, L)) @ t16).reshape((n_batch, L, n_batch, L))
+    t25 = (t24.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t23.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * t16).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -10934,9 +12539,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = oe.contract('abc,acd->bdac', t16, t18, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t22 = ((t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10969,9 +12575,17 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = Mcausal.transpose(-1, -2)
     t17 = X @ W_Q
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t15, t16, X, t17, t0, t15, t16, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = (t21.reshape((L*n_batch**2, L)) @ t16).reshape((n_batch, L, n_batch, L))
+    t25 = (t24.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t23.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t26 = (1/(d_K*n_batch**2)) * (t25 * t16).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11020,99 +12634,129 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = X @ W_Q
-    t23 = oe.contract('abc->cab', t22, optimize=[(0,)])
-    t24 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t17, t5, t7, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t25 = t21.diagonal(0, 1, 3)
+    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t26 = X.permute(2, 0, 1)
+    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = X @ W_Q
+    t30 = t29.permute(2, 0, 1)
+    t31 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+    t32 = ((t31.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
+    t33 = t28.diagonal(0, 1, 3)
     F = t12
-    t26 = torch.exp(F - F.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = t7 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = G @ t15
-    t32 = Mcausal * t31
-    t33 = t32 @ X
-    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd->bd', t2, t33, optimize=[(0, 1)])
-    t21[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t39 = t11 @ X
-    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t41 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t40, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t42 = oe.contract('abc->cab', t39, optimize=[(0,)])
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t44 = oe.contract('abc,cd,ace->bead', t2, t43, G, optimize=[(0, 1), (0, 1)])
-    t45 = oe.contract('abc,acd->bdac', t4, X, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47 = t46.view((d_V, d_K, d_V, d_K))
-    t48 = t22.transpose(-1, -2)
-    t49 = Mcausal.transpose(-1, -2)
-    t50 = Y.transpose(-1, -2)
-    t51 = t50.sum(-2, keepdim=True)
-    t52 = t51.expand(*t51.shape[:-2], d_V, t51.shape[-1])
-    t53 = (1/(L*d_K*n_batch)) * t49
-    t54 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t55 = t47.diagonal(0, 1, 3)
-    t56 = t31.transpose(-1, -2)
-    t57 = t56 * t49
-    t58 = oe.contract('abc,acd,ade->be', t2, t57, X, optimize=[(0, 1), (0, 1)])
-    t47[...] = oe.contract('abcde,fde->abfc', t54, t19, optimize=[(0, 1)])
-    t55 += oe.contract('a,bc->bca', t35, t58, optimize=[(0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_K, d_V, d_K))
-    t61 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t48, t53, t5, t52, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t60[...] = oe.contract('abc,defbc->defa', t23, t61, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = t62.view((d_V, d_K, d_V, d_V))
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t65 = oe.contract('abc,acd->bdac', t48, G, optimize=[(0, 1)])
-    t66 = oe.contract('abc,cd,ace->bead', t2, t64, X, optimize=[(0, 1), (0, 1)])
-    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
-    t68 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t67, X, W_V, t52, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t48, t39, optimize=[(0, 1)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
-    t63 += oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t71 = t70.view((d_V, d_V, d_V, d_K))
-    t72 = T.transpose(-1, -2)
-    t73 = t49 * t72
-    t74 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t75 = oe.contract('abc,acd,ade->bead', t2, t73, X, optimize=[(0, 1), (0, 1)])
-    t76 = G.transpose(-1, -2)
-    t77 = oe.contract('abc,cd,ace->bead', t2, t64, t16, optimize=[(0, 1), (0, 1)])
-    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
-    t71[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t71 += oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
-    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t80 = t79.view((d_V, d_V, d_V, d_K))
-    t81 = oe.contract('abc,acd,ade->bead', t2, t73, t22, optimize=[(0, 1), (0, 1)])
-    t82 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t15, t40, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t83 = oe.contract('abc,acd->bdac', t76, t22, optimize=[(0, 1)])
-    t80[...] = oe.contract('abcd,efcd->aefb', t81, t82, optimize=[(0, 1)])
-    t80 += oe.contract('abcd,efcd->eafb', t83, t66, optimize=[(0, 1)])
-    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85 = t84.view((d_V, d_V, d_V, d_V))
-    t86 = t39.transpose(-1, -2)
-    t87 = (1/(L*n_batch)) * t86
-    t88 = oe.contract('abc,abcd->cdab', t7, dA, optimize=[(0, 1)])
-    t89 = oe.contract('abc,acd->bdac', t87, t39, optimize=[(0, 1)])
-    t85[...] = oe.contract('abcd,efcd->eafb', t88, t89, optimize=[(0, 1)])
+    t34 = torch.exp(F - F.amax(-1, keepdim=True))
+    A35 = t34 / t34.sum(-1, keepdim=True)
+    t36 = t7 * A35
+    t37 = t36 - Y
+    t38 = (1/L) * t37
+    G = t38
+    t39 = G @ t15
+    t40 = Mcausal * t39
+    t41 = t40 @ X
+    t42 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t44 = ((t41.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
+    t33 += oe.contract('a,bc->bca', t43, t44, optimize=[(0, 1)])
+    t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = t45.view((d_V, d_K, d_V, d_V))
+    t47 = t11 @ X
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t49 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t50 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t51 = (t50.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t49.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t52 = (t51.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t53 = (t52.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t54 = ((t53.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t55 = t47.permute(2, 0, 1)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t57 = (t56.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t58 = ((t57.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t59 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t46[...] = oe.contract('abcde,fde->abfc', t54, t55, optimize=[(0, 1)])
+    t46 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_K, d_V, d_K))
+    t62 = t29.transpose(-1, -2)
+    t63 = Mcausal.transpose(-1, -2)
+    t64 = Y.transpose(-1, -2)
+    t65 = t64.sum(-2, keepdim=True)
+    t66 = t65.expand(*t65.shape[:-2], d_V, t65.shape[-1])
+    t67 = (1/(L*d_K*n_batch)) * t63
+    t68 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t69 = (t68.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t70 = (t69.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t67.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t71 = (t70.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t72 = (t71.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t73 = (t72.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t74 = ((t73.reshape((n_batch, L, d_K*d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
+    t75 = t61.diagonal(0, 1, 3)
+    t76 = t39.transpose(-1, -2)
+    t77 = t76 * t63
+    t78 = (t77.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t79 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t78.reshape((L*n_batch, d_V)))).permute(1, 0)
+    t61[...] = oe.contract('abcde,fde->abfc', t74, t26, optimize=[(0, 1)])
+    t75 += oe.contract('a,bc->bca', t43, t79, optimize=[(0, 1)])
+    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t81 = t80.view((d_V, d_K, d_V, d_K))
+    t82 = (t72.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t83 = ((t82.reshape((n_batch, L, d_V**2, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
+    t81[...] = oe.contract('abc,defbc->defa', t30, t83, optimize=[(0, 1)])
+    t84 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t85 = t84.view((d_V, d_K, d_V, d_V))
+    t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
+    t87 = ((G.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t88 = (t86.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t89 = ((t88.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
+    t91 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t92 = (t91.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t49.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t93 = (t92.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t90.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t94 = ((t93.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t95 = ((t47.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t85[...] = oe.contract('abcd,efcd->eafb', t87, t89, optimize=[(0, 1)])
+    t85 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t97 = t96.view((d_V, d_V, d_V, d_K))
+    t98 = T.transpose(-1, -2)
+    t99 = t63 * t98
+    t100 = (t18.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t101 = (t100.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t102 = ((t101.reshape((n_batch, L, d_V, d_K, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t103 = (t99.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t104 = ((t103.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t105 = G.transpose(-1, -2)
+    t106 = ((t88.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t107 = ((X.reshape((n_batch, L, d_V, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t97[...] = oe.contract('abcd,efcd->eafb', t102, t104, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t109 = t108.view((d_V, d_V, d_V, d_K))
+    t110 = ((t103.reshape((n_batch, L, d_V, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t111 = (t100.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t112 = ((t111.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t113 = ((t29.reshape((n_batch, L, d_K, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t109[...] = oe.contract('abcd,efcd->aefb', t110, t112, optimize=[(0, 1)])
+    t109 += oe.contract('abcd,efcd->eafb', t113, t89, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t115 = t114.view((d_V, d_V, d_V, d_V))
+    t116 = t47.transpose(-1, -2)
+    t117 = (1/(L*n_batch)) * t116
+    t118 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t119 = ((t47.reshape((n_batch, L, d_V, 1)) * t117.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t115[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
     return H
 
 
@@ -11223,51 +12867,157 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     F = t10
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t5 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = G @ t13
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = X @ W_Q
-    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t24, t0, t24, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t24, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t9 @ X
-    t29 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, W_V, t5, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t28, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t22.transpose(-1, -2)
-    t32 = Mcausal.transpose(-1, -2)
-    t33 = t31 * t32
-    t34 = t25.transpose(-1, -2)
-    t35 = Y.transpose(-1, -2)
-    t36 = t35.sum(-2, keepdim=True)
-    t37 = t36.expand(*t36.shape[:-2], d_V, t36.shape[-1])
-    t38 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t33, X, t0, t33, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t33, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, t0, t34, t32, t3, t37, dA, t13, Mcausal, t25, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t34, t32, X, G, t0, t34, t32, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t34, t32, X, G, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t34, t32, X, W_V, t37, dA, t28, t0, t34, t32, X, W_V, t37, dA, t28, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = T.transpose(-1, -2)
-    t45 = t32 * t44
-    t46 = G.transpose(-1, -2)
-    t47 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t45, t5, dA, t13, Mcausal, X, t14, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, X, t14, t0, t46, t32, t14, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, t14, X, t0, t46, t32, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t45, t5, dA, t13, Mcausal, t25, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t45, t5, dA, t13, Mcausal, t25, X, t0, t46, t32, X, t25, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t46, t32, X, t25, t0, t46, t32, X, t25, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = t28.transpose(-1, -2)
-    t52 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t51, t5, dA, t28, t51, t5, dA, t28, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t53 = torch.sqrt(torch.clamp(t52, min=0.0))
-    return (t16, t27, t30, t39, t41, t43, t48, t50, t53,)
+    t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t5 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = G @ t13
+    t36 = Mcausal * t35
+    t37 = t36 @ X
+    t38 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t39 = X @ W_Q
+    t40 = (t39 @ t2)
+    t41 = (t38 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t42 = (t41.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t43 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L, L, L, 1)) * t40.reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t44 = (t43.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    t45 = (t44.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t42.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t46 = (t39.reshape((L*n_batch, d_K)) @ t39.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t47 = t46 * t16
+    t48 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t47.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t49 = (t48.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t50 = (n_batch**(-2)) * (t38 * t38).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t45 * Mcausal).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t49 * t18.permute(0, 2, 3, 1)).sum()
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    t52 = t9 @ X
+    t53 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t54 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t55 = (t54.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t53.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t56 = (t52.reshape((L*n_batch, d_V)) @ t52.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t57 = t56 * t16
+    t58 = (t55.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t59 = (t58.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t60 = (t59.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t58.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t61 = (X.reshape((L*n_batch, d_V)) @ t52.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t62 = (t61.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t63 = (t62.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t64 = (t17.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, L, n_batch, L))
+    t65 = (t53.permute(1, 2, 0) @ t54.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t66 = (t64.permute(1, 3, 4, 0, 2) @ t63.permute(2, 3, 4, 0, 1))
+    t67 = (t66.permute(0, 4, 1, 2, 3).reshape((L*n_batch, L**2*n_batch)) @ t65.permute(0, 2, 1, 3).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t68 = t18 * t17
+    t69 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t70 = t69 * t16
+    t71 = (t68.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t72 = (t71.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t70.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t73 = (1/(L**2*d_K*n_batch**2)) * (t60 * t57.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t67 * G).sum() + (1/(d_K*n_batch**2)) * (t72 * Mcausal.permute(1, 0)).sum()
+    t74 = torch.sqrt(torch.clamp(t73, min=0.0))
+    t75 = t35.transpose(-1, -2)
+    t76 = Mcausal.transpose(-1, -2)
+    t77 = t75 * t76
+    t78 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t77).reshape((n_batch, n_batch, L, L))
+    t79 = (t78.permute(1, 2, 0, 3).reshape((n_batch, L, L*n_batch)) @ t18.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)))
+    t80 = t39.transpose(-1, -2)
+    t81 = Y.transpose(-1, -2)
+    t82 = t81.sum(-2, keepdim=True)
+    t83 = t82.expand(*t82.shape[:-2], d_V, t82.shape[-1])
+    t84 = (t14 @ t80)
+    t85 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t86 = (t85.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t87 = (t86.reshape((n_batch, L, L, L, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t88 = (t87.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    t89 = (t88.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t79.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t90 = (t80.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t80.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t91 = t18 * t90
+    t92 = (t86.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t76.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t93 = (t92.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t94 = (t93.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t95 = (t94.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t96 = (t95.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t93.permute(3, 2, 1, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t97 = (n_batch**(-2)) * (t79 * t77).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t89 * t76.permute(1, 0)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t96 * t91.permute(0, 2, 3, 1)).sum()
+    t98 = torch.sqrt(torch.clamp(t97, min=0.0))
+    t99 = t46 * t90
+    t100 = (t94.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t99.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t101 = (t100.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t93.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t102 = (1/(L**2*d_K**2*n_batch**2)) * (t101 * t18.permute(0, 2, 3, 1)).sum()
+    t103 = torch.sqrt(torch.clamp(t102, min=0.0))
+    t104 = t69 * t90
+    t105 = (t19.reshape((L*n_batch**2, L)) @ t76).reshape((n_batch, L, n_batch, L))
+    t106 = (t105.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t104.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t107 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t108 = (t52.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t109 = (t108.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t110 = (t109.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * t76.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t111 = (t53.permute(1, 2, 0) @ t107.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t112 = (t111.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t113 = (t112.permute(0, 2, 3, 4, 1) @ t110.permute(2, 0, 3, 1, 4))
+    t114 = (t113.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t90.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t115 = (t107.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t53.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t116 = t56 * t90
+    t117 = (t115.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t76.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t118 = (t117.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t119 = (t118.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t117.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t120 = (1/(d_K*n_batch**2)) * (t106 * t76).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t76.permute(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t116.permute(0, 2, 3, 1)).sum()
+    t121 = torch.sqrt(torch.clamp(t120, min=0.0))
+    t122 = T.transpose(-1, -2)
+    t123 = t76 * t122
+    t124 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t123).reshape((n_batch, n_batch, L, L))
+    t125 = (t124.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t123).reshape((n_batch, n_batch, L, L))
+    t126 = t125 * t18.permute(0, 2, 3, 1)
+    t127 = (t21.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t128 = (t127.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t129 = (t128.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t127.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t130 = G.transpose(-1, -2)
+    t131 = (t21.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t130.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t132 = (t131.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t133 = (t132.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t134 = (t133.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t135 = (t134.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t124.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t136 = (t130.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t130.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t137 = t20 * t16
+    t138 = t18 * t136
+    t139 = (t137.reshape((L*n_batch**2, L)) @ t76).reshape((n_batch, L, n_batch, L))
+    t140 = (t139.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t138.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t141 = (1/(L**2*d_K*n_batch**2)) * (t129 * t126).sum() + (2/(L*d_K*n_batch**2)) * (t135 * t76).sum() + (1/(d_K*n_batch**2)) * (t140 * t76).sum()
+    t142 = torch.sqrt(torch.clamp(t141, min=0.0))
+    t143 = t125 * t46.permute(0, 2, 3, 1)
+    t144 = (t127.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t145 = (t144.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t127.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t146 = (t131.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t46.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t147 = (t146.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t148 = (t147.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t149 = (t148.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t124.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t150 = t46 * t136
+    t151 = (t105.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t150.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t152 = (1/(L**2*d_K*n_batch**2)) * (t145 * t143).sum() + (2/(L*d_K*n_batch**2)) * (t149 * t76).sum() + (1/(d_K*n_batch**2)) * (t151 * t76).sum()
+    t153 = torch.sqrt(torch.clamp(t152, min=0.0))
+    t154 = t52.transpose(-1, -2)
+    t155 = (t154.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t154.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t156 = (t54.reshape((L*n_batch, d_V**2)) @ t54.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t157 = t156 * t155
+    t158 = (1/(L**2*n_batch**2)) * (t157 * t56).sum()
+    t159 = torch.sqrt(torch.clamp(t158, min=0.0))
+    return (t29, t51, t74, t98, t103, t121, t142, t153, t159,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11295,13 +13045,19 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t23 = ((t22.permute(0, 3, 1, 2) @ t15.permute(0, 2, 1).reshape((n_batch, d_K, L, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
+    t24 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11328,10 +13084,18 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t16 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t17 = (t14 @ t2)
+    t18 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, L, L**2, 1)) * t15.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(2, 3, 1, 0) @ t17.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
+    t22 = (t21.permute(2, 0, 1) @ Mcausal.reshape((L, L, 1))).reshape((L, L))
+    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11359,13 +13123,20 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, t15, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t18 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
+    t24 = ((t23.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t25 = X.permute(2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11392,12 +13163,25 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11425,28 +13209,35 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc->cab', t15, optimize=[(0,)])
-    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t16, t4, t6, dA, t14, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t19 = t0.diagonal(0, 1, 3)
+    t17 = t15.permute(2, 0, 1)
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+    t25 = ((t24.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
+    t26 = t0.diagonal(0, 1, 3)
     F = t11
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t6 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G @ t14
-    t26 = Mcausal * t25
-    t27 = t26 @ X
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = oe.contract('abc,acd->bd', t1, t27, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
-    t19 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
+    t27 = torch.exp(F - F.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = t6 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = G @ t14
+    t33 = Mcausal * t32
+    t34 = t33 @ X
+    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t37 = ((t34.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
+    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
+    t26 += oe.contract('a,bc->bca', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -11480,15 +13271,35 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = Mcausal * t16
     t18 = t17 @ X
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t19 = (t18.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t0.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
-    t22 = X @ W_Q
-    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t18, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, t0, t4, Mcausal, t9, t2, dA, t15, Mcausal, t22, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    dA = ((t22.reshape((d_V, d_V, 1)) * A21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t23 = X @ W_Q
+    t24 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t25 = (t23 @ t4)
+    t26 = (t24.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t9.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t28 = (t19 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t29 = (t28.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t30 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L, L, L, 1)) * t25.reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t31 = (t30.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    t32 = (t31.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t29.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t33 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = (t23.reshape((L*n_batch, d_K)) @ t23.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t35 * t33
+    t37 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = (t27.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t39 = (t38.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t40 = (t39.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t34.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t41 = (t40.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t42 = (t41.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t39.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t43 = (n_batch**(-2)) * (t19 * t19).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t32 * Mcausal).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t42 * t37.permute(0, 2, 3, 1)).sum()
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return t44
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11516,23 +13327,29 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t1, t3, t15, X, W_V, t5, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
-    t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
+    t16 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t16.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t21 = ((t20.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t22 = t14.permute(2, 0, 1)
     F = t11
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t5 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t24 = oe.contract('abc,cd,ace->bead', t1, t23, G, optimize=[(0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd->bdac', t3, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t5 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t29 = (t28.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -11559,18 +13376,41 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t8 @ X
+    t14 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t14.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (t16.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t22 = (t21.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t21.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t10
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t4 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t4 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = (X.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (t29.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t31 = (t30.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t32 = (t18.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, L, n_batch, L))
+    t33 = (t14.permute(1, 2, 0) @ t15.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t34 = (t32.permute(1, 3, 4, 0, 2) @ t31.permute(2, 3, 4, 0, 1))
+    t35 = (t34.permute(0, 4, 1, 2, 3).reshape((L*n_batch, L**2*n_batch)) @ t33.permute(0, 2, 1, 3).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t36 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = t36 * t18
+    t38 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = t38 * t17
+    t40 = (t37.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
+    t41 = (t40.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t39.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t42 = (1/(L**2*d_K*n_batch**2)) * (t23 * t20.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t35 * G).sum() + (1/(d_K*n_batch**2)) * (t41 * Mcausal.permute(1, 0)).sum()
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return t43
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11602,12 +13442,18 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc,acb->bac', t3, t9, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace,aed,adef,afg,dg,agb->bad', t1, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = ((t26.permute(0, 3, 1, 2) @ X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
+    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
     return out
 
 
@@ -11638,9 +13484,17 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
+    t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (X @ t0)
+    t21 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.reshape((n_batch, L, L**2, 1)) * t18.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(2, 3, 1, 0) @ t20.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
+    t25 = (t24.permute(2, 0, 1) @ t3.permute(1, 0).reshape((L, L, 1))).reshape((L, L))
+    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11672,30 +13526,38 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t20, t5, t8, dA, t18, Mcausal, t19, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t22 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t23 = t0.diagonal(0, 1, 3)
-    t24 = Y.sum(-1, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-1], d_V)
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
+    t28 = ((t27.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
+    t29 = X.permute(2, 0, 1)
+    t30 = t0.diagonal(0, 1, 3)
+    t31 = Y.sum(-1, keepdim=True)
+    t32 = t31.expand(*t31.shape[:-1], d_V)
     F = t15
-    t26 = torch.exp(F - F.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = t25 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = G.transpose(-1, -2)
-    t32 = t5 @ t31
-    t33 = t32 * t4
-    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = oe.contract('abc,acd,ade->be', t1, t33, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
-    t23 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
+    t33 = torch.exp(F - F.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = t32 * A34
+    t36 = t35 - Y
+    t37 = (1/L) * t36
+    G = t37
+    t38 = G.transpose(-1, -2)
+    t39 = t5 @ t38
+    t40 = t39 * t4
+    t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = (t40.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t44 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t43.reshape((L*n_batch, d_V)))).permute(1, 0)
+    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
+    t30 += oe.contract('a,bc->bca', t42, t44, optimize=[(0, 1)])
     return out
 
 
@@ -11730,21 +13592,40 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = X @ t16
     t18 = Mcausal.transpose(-1, -2)
     t19 = t17 * t18
-    t20 = W_Q.transpose(-1, -2)
-    t21 = t20 @ t0
-    t22 = Y.transpose(-1, -2)
-    t23 = t22.sum(-2, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
-    t25 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t20.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t19).reshape((n_batch, n_batch, L, L))
+    t23 = (t22.permute(1, 2, 0, 3).reshape((n_batch, L, L*n_batch)) @ t21.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)))
+    t24 = W_Q.transpose(-1, -2)
+    t25 = t24 @ t0
+    t26 = Y.transpose(-1, -2)
+    t27 = t26.sum(-2, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
+    t29 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = t9.transpose(-1, -2)
-    t29 = t4.transpose(-1, -2)
-    t30 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t19, X, t0, t19, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t19, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, t0, t21, t18, t9, t24, dA, t28, Mcausal, t29, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return t31
+    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t32 = t9.transpose(-1, -2)
+    t33 = t4.transpose(-1, -2)
+    t34 = (t32.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t35 = (t33 @ t25)
+    t36 = (t34.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t37 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t9.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t38 = (t37.reshape((n_batch, L, L, L, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t39 = (t38.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    t40 = (t39.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t23.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t41 = (t25.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t25.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t42 = (t33.reshape((L*n_batch, d_K)) @ t33.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = t21 * t41
+    t44 = (t37.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t18.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t45 = (t44.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t46 = (t45.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t47 = (t46.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t45.permute(3, 2, 1, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t49 = (n_batch**(-2)) * (t23 * t19).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t40 * t18.permute(1, 0)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t48 * t43.permute(0, 2, 3, 1)).sum()
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    return t50
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11776,12 +13657,19 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = oe.contract('abc->cab', t9, optimize=[(0,)])
-    t21 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t19, t5, t8, dA, t18, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    t20 = t9.permute(2, 0, 1)
+    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t28 = ((t27.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
+    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
     return out
 
 
@@ -11812,11 +13700,24 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t26 = (t25.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t28 = (t27.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.permute(0, 2, 3, 1)).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11851,22 +13752,27 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t21 = oe.contract('abc,cd,ace->bead', t1, t19, X, optimize=[(0, 1), (0, 1)])
-    t22 = Y.transpose(-1, -2)
-    t23 = t22.sum(-2, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
-    t25 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t20 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t22 = ((t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t23 = Y.transpose(-1, -2)
+    t24 = t23.sum(-2, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
+    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
-    t28 = t12 @ X
-    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t30 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t29, X, W_V, t24, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
-    t31 = oe.contract('abc,acd->bdac', t3, t28, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    dA = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t29 = t12 @ X
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t31 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t32 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t31.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t34 = (t33.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t35 = ((t34.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t36 = ((t29.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -11899,18 +13805,41 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 - Y
     t17 = (1/L) * t16
     G = t17
-    t18 = Y.transpose(-1, -2)
-    t19 = t18.sum(-2, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-2], d_V, t19.shape[-1])
-    t21 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t18
+    t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t19
+    t24 = (t21.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t25 = (t24.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t23.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t26 = Y.transpose(-1, -2)
+    t27 = t26.sum(-2, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
+    t29 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
-    t24 = t11 @ X
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t20, dA, t24, t0, t2, t3, X, W_V, t20, dA, t24, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t32 = t11 @ X
+    t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t34 = (t32.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t36 = (t34.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t18.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t37 = (t36.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t38 = (t35.permute(1, 2, 0) @ t33.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t39 = (t38.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t40 = (t39.permute(0, 2, 3, 4, 1) @ t37.permute(2, 0, 3, 1, 4))
+    t41 = (t40.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t19.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t42 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t35.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t43 = (t32.reshape((L*n_batch, d_V)) @ t32.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = t43 * t19
+    t45 = (t42.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t46 = (t45.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t47 = (t46.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t45.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t48 = (1/(d_K*n_batch**2)) * (t25 * t3).sum() + (2/(L*d_K*n_batch**2)) * (t41 * t3.permute(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    return t49
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11941,10 +13870,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, t13, optimize=[(0, 1)])
+    t18 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
+    t19 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -11975,8 +13904,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t12, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t17 = oe.contract('abcc,abc->ab', dA, t11)
+    return (1/(L*n_batch)) * (t17 * t16).sum()
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12007,25 +13938,30 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t13.transpose(-1, -2)
     t18 = t4.transpose(-1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t20 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t21 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
+    t20 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t21 = (t20.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t22 = (t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
+    t23 = ((t22.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t24 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t25 = ((t24.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     F = t14
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t11 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t29 = oe.contract('abc,cd,ace->bead', t1, t28, t18, optimize=[(0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t11 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t34 = ((t33.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t25, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12055,20 +13991,41 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t12.transpose(-1, -2)
     t17 = t3.transpose(-1, -2)
+    t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t24 = (t23.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t25 = t24 * t20.permute(0, 2, 3, 1)
+    t26 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t27 = (t26.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t28 = (t27.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t26.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t13
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t10 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = G.transpose(-1, -2)
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t8, t10, dA, t16, Mcausal, X, t17, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, X, t17, t0, t23, t1, t17, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, t17, X, t0, t23, t1, t17, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t10 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G.transpose(-1, -2)
+    t35 = (t22.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t36 = (t35.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t37 = (t36.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t38 = (t37.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t39 = (t38.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t40 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = t21 * t19
+    t42 = t20 * t40
+    t43 = (t41.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t44 = (t43.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t42.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t45 = (1/(L**2*d_K*n_batch**2)) * (t28 * t25).sum() + (2/(L*d_K*n_batch**2)) * (t39 * t1).sum() + (1/(d_K*n_batch**2)) * (t44 * t1).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return t46
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12099,25 +14056,30 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t13.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t20 = oe.contract('abc,acd,ade->bead', t1, t9, t18, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t17, t19, X, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t20 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t21 = ((t20.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t22 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t25 = ((t24.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     F = t14
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t11 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t29 = oe.contract('abc,acd->bdac', t27, t18, optimize=[(0, 1)])
-    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t11 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G.transpose(-1, -2)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33 = ((t18.reshape((n_batch, L, d_K, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t35 = ((t34.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t25, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12147,20 +14109,41 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = t12.transpose(-1, -2)
     t17 = X @ W_Q
+    t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t24 = (t23.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
+    t25 = t24 * t20.permute(0, 2, 3, 1)
+    t26 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t27 = (t26.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t28 = (t27.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t26.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t13
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t10 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = G.transpose(-1, -2)
-    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t8, t10, dA, t16, Mcausal, t17, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t16, Mcausal, t17, X, t0, t23, t1, X, t17, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t23, t1, X, t17, t0, t23, t1, X, t17, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t10 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G.transpose(-1, -2)
+    t35 = (t22.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t36 = (t35.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t37 = (t36.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t38 = (t37.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t39 = (t38.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t40 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = t21 * t19
+    t42 = t20 * t40
+    t43 = (t41.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t44 = (t43.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t42.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t45 = (1/(L**2*d_K*n_batch**2)) * (t28 * t25).sum() + (2/(L*d_K*n_batch**2)) * (t39 * t1).sum() + (1/(d_K*n_batch**2)) * (t44 * t1).sum()
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return t46
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12191,10 +14174,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = (1/(L*n_batch)) * t10
-    t18 = oe.contract('abc,abcd->cdab', t12, dA, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t18 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
@@ -12225,10 +14208,15 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12254,14 +14242,27 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, X, t14, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t16 = t15 + 0.0 + 0.0
-    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t17, 0.0, t18,)
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
+    t29 = t28 + 0.0 + 0.0
+    t30 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, 0.0, t31,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -12287,28 +14288,47 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
     F = t10
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t5 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = G @ t13
-    t22 = Mcausal * t21
-    t23 = t22 @ X
-    t24 = t0 @ t23
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
-    t26 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t13, Mcausal, t14, X, t24, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t27 = t15 + t25 + t26
-    t28 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return (t28, t29, t30,)
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t5 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G @ t13
+    t35 = Mcausal * t34
+    t36 = t35 @ X
+    t37 = t0 @ t36
+    t38 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
+    t39 = (t37.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t40 = (t14 @ t2)
+    t41 = (t39.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t42 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L, L, L, 1)) * t40.reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t43 = (t42.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    t44 = (t43.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t41.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t45 = (2/(L*d_K**(3/2)*n_batch**2)) * (t44 * Mcausal).sum()
+    t46 = t28 + t38 + t45
+    t47 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t48 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t49 = torch.sqrt(torch.clamp(t46, min=0.0))
+    return (t47, t48, t49,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
@@ -12334,23 +14354,45 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = t9 @ X
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, t3, t5, dA, t13, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16
+    t20 = (t15.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t22 = (t21.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t20.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.permute(0, 2, 3, 1)).sum()
     F = t10
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t5 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t22 = t14 + t20 + t21
-    t23 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, t24, t25,)
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t5 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t29 * t16
+    t31 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t31 * t17
+    t33 = (t30.reshape((L*n_batch**2, L)) @ Mcausal).reshape((n_batch, L, n_batch, L))
+    t34 = (t33.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t32.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t35 = (1/(d_K*n_batch**2)) * (t34 * Mcausal).sum()
+    t36 = (X.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = (t36.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
+    t38 = (t37.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t39 = (t3.permute(1, 0, 2).reshape((L, d_V*n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, d_V, L))
+    t40 = (t39.permute(1, 3, 0, 2) @ t14)
+    t41 = (t40.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t42 = (t41.permute(0, 3, 2, 1, 4).reshape((n_batch, n_batch, L, L**2)) @ t38.permute(3, 2, 4, 1, 0).reshape((n_batch, n_batch, L**2, L)))
+    t43 = (2/(L*d_K*n_batch**2)) * (t42 * t17.permute(2, 0, 3, 1)).sum()
+    t44 = t23 + t35 + t43
+    t45 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t46 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t47 = torch.sqrt(torch.clamp(t44, min=0.0))
+    return (t45, t46, t47,)
 
 
 def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12380,31 +14422,50 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t20 = Y.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t26 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t28 = (t27.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t29 = (t28.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t30 = (t29.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t24.permute(0, 2, 3, 1)).sum()
+    t33 = Y.sum(-1, keepdim=True)
+    t34 = t33.expand(*t33.shape[:-1], d_V)
     F = t14
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t21 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = t4 @ t27
-    t29 = t28 * t3
-    t30 = t29 @ X
-    t31 = t0 @ t30
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)])
-    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t17, Mcausal, X, t18, t31, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t34 = t19 + t32 + t33
-    t35 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t36 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t35, t36, t37,)
+    t35 = torch.exp(F - F.amax(-1, keepdim=True))
+    A36 = t35 / t35.sum(-1, keepdim=True)
+    t37 = t34 * A36
+    t38 = t37 - Y
+    t39 = (1/L) * t38
+    G = t39
+    t40 = G.transpose(-1, -2)
+    t41 = t4 @ t40
+    t42 = t41 * t3
+    t43 = t42 @ X
+    t44 = t0 @ t43
+    t45 = (n_batch**(-2)) * (t44.sum((0,)) * t44.sum((0,))).sum()
+    t46 = (t44.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t47 = (t18 @ t2)
+    t48 = (t46.permute(1, 2, 0) @ X.permute(0, 2, 1))
+    t49 = (t26.reshape((n_batch, L, L, L, 1)) * t47.permute(0, 2, 1).reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t50 = (t49.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
+    t51 = (t50.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t48.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
+    t52 = (2/(L*d_K**(3/2)*n_batch**2)) * (t51 * t3.permute(1, 0)).sum()
+    t53 = t32 + t45 + t52
+    t54 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t55 = torch.sqrt(torch.clamp(t45, min=0.0))
+    t56 = torch.sqrt(torch.clamp(t53, min=0.0))
+    return (t54, t55, t56,)
 
 
 def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
@@ -12434,13 +14495,26 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t4.transpose(-1, -2)
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, t0, t2, t3, t4, t7, dA, t17, Mcausal, t8, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t19 = t18 + 0.0 + 0.0
-    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, 0.0, t21,)
+    t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t26 = (t25.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t28 = (t27.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.permute(0, 2, 3, 1)).sum()
+    t32 = t31 + 0.0 + 0.0
+    t33 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, 0.0, t34,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -12470,25 +14544,46 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t17 = t13 @ X
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, t4, t7, dA, t17, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t19 = Y.sum(-1, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-1], d_V)
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t17.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t25 = (t24.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t26 = (t25.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t24.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
+    t28 = Y.sum(-1, keepdim=True)
+    t29 = t28.expand(*t28.shape[:-1], d_V)
     F = t14
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t20 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t28 = t18 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t29 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t35 * t20
+    t37 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t37 * t21
+    t39 = (t36.reshape((L*n_batch**2, L)) @ t3).reshape((n_batch, L, n_batch, L))
+    t40 = (t39.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t38.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t3).sum()
+    t42 = (X.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = (t19.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t46 = (t45.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t47 = (t46.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t42.permute(1, 2, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t48 = (2/(L*d_K*n_batch**2)) * (t47 * t3).sum()
+    t49 = t27 + t41 + t48
+    t50 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t51 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t52 = torch.sqrt(torch.clamp(t49, min=0.0))
+    return (t50, t51, t52,)
 
 
 def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
@@ -12517,26 +14612,47 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, X, t18, t9, t11, dA, t17, Mcausal, X, t18, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
     F = t13
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t28 = t19 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t11 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G.transpose(-1, -2)
+    t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = t23 * t35
+    t38 = t21 * t36
+    t39 = (t37.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t40 = (t39.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t38.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
+    t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = (t24.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t46 = (t45.permute(2, 3, 1, 4, 0).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t47 = (t46.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(1, 2, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
+    t49 = t28 + t41 + t48
+    t50 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t51 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t52 = torch.sqrt(torch.clamp(t49, min=0.0))
+    return (t50, t51, t52,)
 
 
 def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
@@ -12565,26 +14681,47 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t17, Mcausal, t18, X, t9, t11, dA, t17, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t20
+    t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
     F = t13
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
-    t28 = t19 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t11 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = G.transpose(-1, -2)
+    t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = t23 * t35
+    t38 = t21 * t36
+    t39 = (t37.reshape((L*n_batch**2, L)) @ t1).reshape((n_batch, L, n_batch, L))
+    t40 = (t39.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t38.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
+    t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
+    t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = (t24.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t46 = (t45.permute(2, 3, 1, 4, 0).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t47 = (t46.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(1, 2, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
+    t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
+    t49 = t28 + t41 + t48
+    t50 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t51 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t52 = torch.sqrt(torch.clamp(t49, min=0.0))
+    return (t50, t51, t52,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
@@ -12613,12 +14750,17 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t12, t9, t11, dA, t12, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t17 = t16 + 0.0 + 0.0
-    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, 0.0, t19,)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
+    t22 = t21 + 0.0 + 0.0
+    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, 0.0, t24,)
 
 
 VARIANTS = {

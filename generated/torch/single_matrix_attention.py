@@ -82,38 +82,40 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce,abef->dfab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t12 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t13 = t12.view((d_V, d_V, d_V, d_V))
-    t14 = A @ X
-    M_1 = t14
-    t15 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t13[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t18 = t17.view((d_V, d_V, d_V, d_V))
-    t19 = M_1.transpose(-1, -2)
-    t20 = (2/(L*d_V*n_batch)) * t19
-    t21 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t18[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t19 @ M_1
-    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t28 = (2/(L*d_V*n_batch)) * t27
-    t29 = oe.contract('abc->bc', t26, optimize=[(0,)])
-    t25 += oe.contract('a,bc->bca', t28, t29, optimize=[(0, 1)])
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t12 = ((t11.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t15 = t14.view((d_V, d_V, d_V, d_V))
+    t16 = A @ X
+    M_1 = t16
+    t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t20 = t19.view((d_V, d_V, d_V, d_V))
+    t21 = M_1.transpose(-1, -2)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t23 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_V, d_V, d_V))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t21 @ M_1
+    t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t30 = (2/(L*d_V*n_batch)) * t29
+    t31 = t28.sum((0,))
+    t27 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
     return H
 
 
@@ -160,24 +162,44 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    t9 = A @ X
-    M_1 = t9
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t12 = M_1.transpose(-1, -2)
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t12, t5, M_2, X, t12, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t15 = t12 @ M_1
-    t16 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t8 = (t7.permute(1, 2, 0) @ t0)
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = (t8.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t12 = (t11.permute(0, 2, 3, 1) @ dA)
+    t13 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t14 = (t13.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.permute(0, 2, 3, 1)).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t8, t11, t14, t17,)
+    t18 = A @ X
+    M_1 = t18
+    t19 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t20 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t9
+    t22 = (t19.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t19.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (t9.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t25 * t22.permute(0, 2, 3, 1)).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = M_1.transpose(-1, -2)
+    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0)).reshape((n_batch, L, d_V))
+    t30 = (t28.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = t9 * t30
+    t32 = (t29.reshape((L*n_batch, d_V)) @ t29.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = (t23.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t35 = (4/(L**2*d_V**2*n_batch**2)) * (t34 * t32.permute(0, 2, 3, 1)).sum()
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = t28 @ M_1
+    t38 = (4/(L**2*d_V*n_batch**2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (t17, t27, t36, t39,)
 
 
 def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -194,15 +216,17 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t11 = ((t10.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t12 = (X * t9).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -218,12 +242,16 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = W_V.transpose(-1, -2)
-    t6 = W_V @ t5
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t6 = W_V.transpose(-1, -2)
+    t7 = W_V @ t6
+    t8 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t9 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t10 = (t9.reshape((L*n_batch, d_V**2)) @ t7.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t10 * t8).sum()
 
 
 def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -240,15 +268,17 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abef->dfab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abd->cdab', t8, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t11 = ((t10.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t9.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -264,14 +294,21 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t8 = (t7.permute(1, 2, 0) @ t0)
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = (t8.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t12 = (t11.permute(0, 2, 3, 1) @ dA)
+    t13 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t14 = (t13.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.permute(0, 2, 3, 1)).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -288,15 +325,16 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = (2/(L*d_V*n_batch)) * X
-    t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = A @ X
+    M_1 = t7
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -312,14 +350,20 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
-    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t7 = torch.sqrt(torch.clamp(t6, min=0.0))
-    return t7
+    t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t6.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t7.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t12 = (t11.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t13 = (t12.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t10.permute(0, 2, 3, 1)).sum()
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -340,7 +384,7 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -359,7 +403,7 @@ def mse_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1.transpose(-1, -2)
     t6 = t5 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -380,13 +424,14 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = (2/(L*d_V*n_batch)) * t6
-    t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = (2/(L*d_V*n_batch)) * t6
+    t11 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t7.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -406,12 +451,18 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
+    t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t10.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.permute(0, 2, 3, 1)).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -434,7 +485,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -453,7 +504,7 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1.transpose(-1, -2)
     t6 = t5 @ M_1
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
     return t8
 
@@ -485,32 +536,34 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t2
-    t17 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
+    M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t17 = (1/n_batch) * t2
+    t18 = M_3.permute(2, 3, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t21 = t20.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t22 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * X
-    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t25 = t24.view((d_V, d_V, d_V, d_V))
-    t26 = G.transpose(-1, -2)
-    t27 = (1/n_batch) * t26
-    t28 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t25[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
-    t30 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t30[...] = 0
+    M_2 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * X
+    t24 = ((G.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = M_2.permute(3, 2, 0, 1)
+    t21[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t27 = t26.view((d_V, d_V, d_V, d_V))
+    t28 = G.transpose(-1, -2)
+    t29 = (1/n_batch) * t28
+    t30 = M_2.permute(2, 3, 0, 1)
+    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32[...] = 0
     return H
 
 
@@ -578,21 +631,30 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t14
+    t17 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.reshape((n_batch, n_batch, L**2, L)) @ t15.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t19 = (t18.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t20 = (n_batch**(-2)) * (t19 * t16.permute(0, 2, 3, 1)).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = G.transpose(-1, -2)
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t18, M_2, X, t18, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t15, t17, t20, 0.0,)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t15
+    t24 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.reshape((n_batch, n_batch, L**2, L)) @ t15.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t26 = (t25.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = G.transpose(-1, -2)
+    t30 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = t15 * t30
+    t32 = (n_batch**(-2)) * (t26 * t31.permute(0, 2, 3, 1)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t21, t28, t33, 0.0,)
 
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -621,13 +683,14 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/n_batch) * t1
-    t16 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t17 = oe.contract('abc,acb->bac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t16 = (1/n_batch) * t1
+    t17 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t18 = (X * t16.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -655,10 +718,12 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
+    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t14 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t15, M_3)
 
 
 def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -687,13 +752,14 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
+    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/n_batch) * t1
-    t16 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t16 = (1/n_batch) * t1
+    t17 = M_3.permute(2, 3, 0, 1)
+    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -721,12 +787,16 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t12, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t12, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t14
+    t17 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.reshape((n_batch, n_batch, L**2, L)) @ t15.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t19 = (t18.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t20 = (n_batch**(-2)) * (t19 * t16.permute(0, 2, 3, 1)).sum()
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -743,20 +813,21 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = F - Y
-    t9 = (2/(L*d_V)) * t8
-    G = t9
-    t10 = (1/n_batch) * X
-    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
-    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = F - Y
+    t10 = (2/(L*d_V)) * t9
+    G = t10
+    t11 = (1/n_batch) * X
+    t12 = ((G.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -772,9 +843,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -782,9 +851,16 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t7 = F - Y
     t8 = (2/(L*d_V)) * t7
     G = t8
-    t9 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t10
+    t13 = (t9.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.reshape((n_batch, n_batch, L**2, L)) @ t10.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (n_batch**(-2)) * (t15 * t12.permute(0, 2, 3, 1)).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -827,13 +903,14 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = G.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (1/n_batch) * t9
-    t12 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t12 = (1/n_batch) * t9
+    t13 = M_2.permute(2, 3, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -857,12 +934,17 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = G.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t8, M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t10 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t10
+    t14 = (t11.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t16 = (t15.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t17 = (n_batch**(-2)) * (t16 * t13.permute(0, 2, 3, 1)).sum()
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -898,69 +980,72 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce,abef->dfab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, X, optimize=[(0, 1)])
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = t7 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t12 = ((t11.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = t8 @ t2
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = ((t6.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t2
-    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t23 = t10.reshape(*t10.shape[:2], -1)
-    t24 = t21.reshape(*t21.shape[:2], -1)
-    t25 = torch.cat([t23, t24], dim=-1)
-    t26 = t11.reshape(*t11.shape[:2], -1)
-    t27 = t22.reshape(*t22.shape[:2], -1)
+    M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * t2
+    t24 = M_3.permute(2, 3, 0, 1)
+    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = t12.reshape(*t12.shape[:2], -1)
+    t27 = t24.reshape(*t24.shape[:2], -1)
     t28 = torch.cat([t26, t27], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t25, t28, optimize=[(0, 1)])
-    t29 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t30 = t29.view((d_V, d_V, d_V, d_V))
-    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t32 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t33 = (1/n_batch) * X
-    t34 = oe.contract('abc,abd->cdab', t33, G, optimize=[(0, 1)])
-    t35 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t30[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
-    t30 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t37 = t36.view((d_V, d_V, d_V, d_V))
-    t38 = M_1.transpose(-1, -2)
-    t39 = (2/(L*d_V*n_batch)) * t38
-    t40 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t41 = oe.contract('abc,acd->bdac', t39, X, optimize=[(0, 1)])
-    t42 = G.transpose(-1, -2)
-    t43 = (1/n_batch) * t42
-    t44 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
-    t37[...] = oe.contract('abcd,efcd->eafb', t40, t41, optimize=[(0, 1)])
-    t37 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t46[...] = 0
-    t47 = t46.view((d_V, d_V, d_V, d_V))
-    t48 = t47.diagonal(0, 1, 3)
-    t49 = t38 @ M_1
-    t50 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t51 = (2/(L*d_V*n_batch)) * t50
-    t52 = oe.contract('abc->bc', t49, optimize=[(0,)])
-    t48 += oe.contract('a,bc->bca', t51, t52, optimize=[(0, 1)])
+    t29 = t13.reshape(*t13.shape[:2], -1)
+    t30 = t25.reshape(*t25.shape[:2], -1)
+    t31 = torch.cat([t29, t30], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
+    t32 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t33 = t32.view((d_V, d_V, d_V, d_V))
+    t34 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t35 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = (1/n_batch) * X
+    t37 = ((G.reshape((n_batch, L, d_V, 1)) * t36.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = M_2.permute(3, 2, 0, 1)
+    t33[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t40 = t39.view((d_V, d_V, d_V, d_V))
+    t41 = M_1.transpose(-1, -2)
+    t42 = (2/(L*d_V*n_batch)) * t41
+    t43 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t44 = ((X.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45 = G.transpose(-1, -2)
+    t46 = (1/n_batch) * t45
+    t47 = M_2.permute(2, 3, 0, 1)
+    t48 = ((X.reshape((n_batch, L, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t40[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t49[...] = 0
+    t50 = t49.view((d_V, d_V, d_V, d_V))
+    t51 = t50.diagonal(0, 1, 3)
+    t52 = t41 @ M_1
+    t53 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t54 = (2/(L*d_V*n_batch)) * t53
+    t55 = t52.sum((0,))
+    t51 += oe.contract('a,bc->bca', t54, t55, optimize=[(0, 1)])
     return H
 
 
@@ -1024,38 +1109,85 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = t5 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdim=True)
-    t14 = A * t13
+    t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t8 = (t7.permute(1, 2, 0) @ t0)
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = (t8.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t12 = (t11.permute(0, 2, 3, 1) @ dA)
+    t13 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t14 = (t13.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t5 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = M_1.transpose(-1, -2)
-    t20 = G.transpose(-1, -2)
-    t21 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t19, t5, M_2, X, t19, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t19, t5, M_2, X, t20, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = t19 @ M_1
-    t24 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t16, t18, t22, t25,)
+    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t9 * t24
+    t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t24.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t9 * t29
+    t31 = (t29.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t28 * t9.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t33 * t30.permute(0, 2, 3, 1)).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t37 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t37 * t9
+    t39 = (t36.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t36.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = (t9.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t41 = (t40.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t38.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t42 = (t41.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t43 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = (t36.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = (t43.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t46 = (t45.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t47 = (t46.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t48 = (t47.permute(0, 2, 3, 4, 1) @ t9.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t49 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t50 = t49 * t9
+    t51 = (t29.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t52 = (t51.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t53 = (t52.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t54 = (4/(L**2*d_V**2*n_batch**2)) * (t42 * t39.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t48 * t44.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t53 * t50.permute(0, 2, 3, 1)).sum()
+    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
+    t56 = M_1.transpose(-1, -2)
+    t57 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0)).reshape((n_batch, L, d_V))
+    t58 = (t56.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t56.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t59 = t9 * t58
+    t60 = (t57.reshape((L*n_batch, d_V)) @ t57.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = (t40.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t59.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t62 = (t61.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t63 = G.transpose(-1, -2)
+    t64 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t56.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t65 = (t57.reshape((L*n_batch, d_V)) @ t63.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t66 = (t64.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t67 = (t66.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t68 = (t67.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t69 = (t68.permute(0, 2, 3, 4, 1) @ t9.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t70 = (t63.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t63.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t71 = t9 * t70
+    t72 = (4/(L**2*d_V**2*n_batch**2)) * (t62 * t60.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t69 * t65.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t53 * t71.permute(0, 2, 3, 1)).sum()
+    t73 = torch.sqrt(torch.clamp(t72, min=0.0))
+    t74 = t56 @ M_1
+    t75 = (4/(L**2*d_V*n_batch**2)) * (t74.sum((0,)) * t74.sum((0,))).sum()
+    t76 = torch.sqrt(torch.clamp(t75, min=0.0))
+    return (t35, t55, t73, t76,)
 
 
 def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -1072,34 +1204,37 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = t6 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t11 = ((t10.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t12 = (X * t9).permute(2, 0, 1)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t7 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t20 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t21 = oe.contract('abc,acb->bac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t22 = (1/n_batch) * t1
+    t23 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t24 = (X * t22.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -1115,27 +1250,33 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = W_V.transpose(-1, -2)
-    t6 = W_V @ t5
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = t5 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdim=True)
-    t14 = A * t13
+    M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t6 = W_V.transpose(-1, -2)
+    t7 = W_V @ t6
+    t8 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t9 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t10 = (t9.reshape((L*n_batch, d_V**2)) @ t7.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t6 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = ((t4.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t20 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t10 * t8).sum() + (1/n_batch) * oe.contract('ab,abcc->', t20, M_3)
 
 
 def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -1152,39 +1293,42 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce,abef->dfab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
-    t10 = oe.contract('abc,abd->cdab', t8, X, optimize=[(0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = t6 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t11 = ((t10.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t9.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t7 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t20 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t22 = t9.reshape(*t9.shape[:2], -1)
-    t23 = t20.reshape(*t20.shape[:2], -1)
-    t24 = torch.cat([t22, t23], dim=-1)
-    t25 = t10.reshape(*t10.shape[:2], -1)
-    t26 = t21.reshape(*t21.shape[:2], -1)
+    M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t22 = (1/n_batch) * t1
+    t23 = M_3.permute(2, 3, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = t11.reshape(*t11.shape[:2], -1)
+    t26 = t23.reshape(*t23.shape[:2], -1)
     t27 = torch.cat([t25, t26], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t24, t27, optimize=[(0, 1)])
+    t28 = t12.reshape(*t12.shape[:2], -1)
+    t29 = t24.reshape(*t24.shape[:2], -1)
+    t30 = torch.cat([t28, t29], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1200,29 +1344,44 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = t5 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdim=True)
-    t14 = A * t13
+    t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t8 = (t7.permute(1, 2, 0) @ t0)
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = (t8.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t12 = (t11.permute(0, 2, 3, 1) @ dA)
+    t13 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t14 = (t13.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t5 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t9 * t24
+    t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t24.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t9 * t29
+    t31 = (t29.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t28 * t9.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t33 * t30.permute(0, 2, 3, 1)).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return t35
 
 
 def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -1239,24 +1398,25 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = (2/(L*d_V*n_batch)) * X
-    t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = (1/n_batch) * X
-    t14 = oe.contract('abc,abd->cdab', t13, G, optimize=[(0, 1)])
-    t15 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = A @ X
+    M_1 = t7
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = (1/n_batch) * X
+    t15 = ((G.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1272,19 +1432,37 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
-    t6 = M_1 @ W_V
-    F = t6
-    t7 = F - Y
-    t8 = (2/(L*d_V)) * t7
-    G = t8
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t6.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t7.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t12 = (t11.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t13 = (t12.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, n_batch, L**2, L)) @ t7.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t21 = (t20.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t22 = (t21.permute(0, 2, 3, 4, 1) @ t7.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t24 * t7
+    t26 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.reshape((n_batch, n_batch, L**2, L)) @ t7.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t10.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t22 * t18.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t28 * t25.permute(0, 2, 3, 1)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -1305,7 +1483,7 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7, optimize=[(0,)])
+    t10 = oe.contract('abb->b', t7)
     t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
     return out
 
@@ -1324,7 +1502,7 @@ def mse_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1.transpose(-1, -2)
     t6 = t5 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t6)
 
 
 def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -1345,23 +1523,24 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = (2/(L*d_V*n_batch)) * t6
-    t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = (1/n_batch) * t15
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = (2/(L*d_V*n_batch)) * t6
+    t11 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t7.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (1/n_batch) * t16
+    t18 = M_2.permute(2, 3, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1381,18 +1560,36 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = G.transpose(-1, -2)
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t11, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
+    t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t10.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t8.reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t20.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t25 = (t24.permute(0, 2, 3, 4, 1) @ t10.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t26 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = t10 * t26
+    t29 = (t27.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.reshape((n_batch, n_batch, L**2, L)) @ t10.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t32 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t25 * t21.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t31 * t28.permute(0, 2, 3, 1)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return t33
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -1415,7 +1612,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = oe.contract('abc->bc', t8, optimize=[(0,)])
+    t11 = t8.sum((0,))
     t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -1434,7 +1631,7 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1.transpose(-1, -2)
     t6 = t5 @ M_1
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
     return t8
 
@@ -1451,34 +1648,49 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = t5 @ t0
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdim=True)
-    t15 = A * t14
+    t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t8 = (t7.permute(1, 2, 0) @ t0)
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = t9 * t9
+    t11 = (t8.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t12 = (t11.permute(0, 2, 3, 1) @ dA)
+    t13 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t9.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t14 = (t13.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t10.permute(0, 2, 3, 1)).sum()
+    t17 = A @ X
+    M_1 = t17
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t5 @ t0
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = t7 + t16 + t17
-    t19 = torch.sqrt(torch.clamp(t7, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, t20, t21,)
+    d2A = ((t4.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = t9 * t25
+    t27 = (t25.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t29 = (t28.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t30 = (n_batch**(-2)) * (t29 * t26.permute(0, 2, 3, 1)).sum()
+    t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t9 * t31
+    t33 = (t32.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t12.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t36 = (4/(L*d_V*n_batch**2)) * (t35 * t9.permute(2, 0, 1, 3)).sum()
+    t37 = t16 + t30 + t36
+    t38 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t39 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t40 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return (t38, t39, t40,)
 
 
 def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -1493,24 +1705,42 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = A @ X
     M_1 = t5
-    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = F - Y
-    t9 = (2/(L*d_V)) * t8
-    G = t9
-    t10 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
-    t12 = t6 + t10 + t11
-    t13 = torch.sqrt(torch.clamp(t6, min=0.0))
-    t14 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t15 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return (t13, t14, t15,)
+    t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = t8 * t7
+    t10 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t6.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t7.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t12 = (t11.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t13 = (t12.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t10.permute(0, 2, 3, 1)).sum()
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t7
+    t21 = (t18.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t22 = (t21.reshape((n_batch, n_batch, L**2, L)) @ t7.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t24 = (n_batch**(-2)) * (t23 * t20.permute(0, 2, 3, 1)).sum()
+    t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.reshape((n_batch, n_batch, L**2, L)) @ t7.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t29 = (t28.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t30 = (t29.permute(0, 2, 3, 4, 1) @ t7.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t31 = (4/(L*d_V*n_batch**2)) * (t30 * t26.permute(0, 2, 3, 1)).sum()
+    t32 = t14 + t24 + t31
+    t33 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, t34, t35,)
 
 
 def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -1529,23 +1759,41 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t12, M_2, X, t12, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t12, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t15 = t8 + t13 + t14
-    t16 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t17 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t18 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16, t17, t18,)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
+    t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t10.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.permute(0, 2, 3, 1)).sum()
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t10 * t21
+    t24 = (t22.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.reshape((n_batch, n_batch, L**2, L)) @ t10.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t26 = (t25.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
+    t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t8.reshape((L*n_batch, d_V)) @ t20.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (t28.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t33 = (t32.permute(0, 2, 3, 4, 1) @ t10.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t34 = (4/(L*d_V*n_batch**2)) * (t33 * t29.permute(0, 2, 3, 1)).sum()
+    t35 = t16 + t27 + t34
+    t36 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t38 = torch.sqrt(torch.clamp(t35, min=0.0))
+    return (t36, t37, t38,)
 
 
 def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -1562,7 +1810,7 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1.transpose(-1, -2)
     t6 = t5 @ M_1
-    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
     t8 = t7 + 0.0 + 0.0
     t9 = torch.sqrt(torch.clamp(t7, min=0.0))
     t10 = torch.sqrt(torch.clamp(t8, min=0.0))
@@ -1582,9 +1830,15 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t4 = X @ t3
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t6 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t6, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
+    t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
+    t8 = (t7.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t6).reshape((n_batch, d_V, L, d_V))
+    t2[...] = ((t8.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t9 = -A
+    t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
+    t12 = (t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += ((t12.reshape((n_batch, L, d_V**2, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
     return out
 
 
@@ -1601,9 +1855,15 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t4 = X @ t3
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t6 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t6, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
+    t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
+    t8 = (t7.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t6).reshape((n_batch, d_V, L, d_V))
+    t2[...] = ((t8.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t9 = -A
+    t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
+    t12 = (t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += ((t12.reshape((n_batch, L, d_V**2, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
     return (J,)
 
 
@@ -1712,38 +1972,40 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_V*n_batch)) * X
-    t12 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t11, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t14 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t15 = t14.view((d_V, d_V, d_V, d_V))
-    t16 = A @ X
-    M_1 = t16
-    t17 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
-    t21 = M_1.transpose(-1, -2)
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t21 @ M_1
-    t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t30 = (2/(L*d_V*n_batch)) * t29
-    t31 = oe.contract('abc->bc', t28, optimize=[(0,)])
-    t27 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_V*n_batch)) * X
+    t13 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t14 = ((t13.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t17 = t16.view((d_V, d_V, d_V, d_V))
+    t18 = A @ X
+    M_1 = t18
+    t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t22 = t21.view((d_V, d_V, d_V, d_V))
+    t23 = M_1.transpose(-1, -2)
+    t24 = (2/(L*d_V*n_batch)) * t23
+    t25 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_V, d_V, d_V))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t23 @ M_1
+    t31 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t32 = (2/(L*d_V*n_batch)) * t31
+    t33 = t30.sum((0,))
+    t29 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
     return H
 
 
@@ -1794,24 +2056,44 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t11 = A @ X
-    M_1 = t11
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = M_1.transpose(-1, -2)
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t14, t7, M_2, X, t14, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t17 = t14 @ M_1
-    t18 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t10 = (t9.permute(1, 2, 0) @ t0)
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = (t10.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t14 = (t13.permute(0, 2, 3, 1) @ dA)
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t11.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t10, t13, t16, t19,)
+    t20 = A @ X
+    M_1 = t20
+    t21 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t22 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t11
+    t24 = (t21.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t21.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = (t11.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t26 = (t25.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t28 = (4/(L**2*d_V**2*n_batch**2)) * (t27 * t24.permute(0, 2, 3, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = M_1.transpose(-1, -2)
+    t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0)).reshape((n_batch, L, d_V))
+    t32 = (t30.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = t11 * t32
+    t34 = (t31.reshape((L*n_batch, d_V)) @ t31.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = (t25.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t35.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t37 = (4/(L**2*d_V**2*n_batch**2)) * (t36 * t34.permute(0, 2, 3, 1)).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = t30 @ M_1
+    t40 = (4/(L**2*d_V*n_batch**2)) * (t39.sum((0,)) * t39.sum((0,))).sum()
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return (t19, t29, t38, t41,)
 
 
 def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -1830,15 +2112,17 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t13 = ((t12.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t14 = (X * t11).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1856,12 +2140,16 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t11 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t12 = (t11.reshape((L*n_batch, d_V**2)) @ t9.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t12 * t10).sum()
 
 
 def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -1880,15 +2168,17 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abef->dfab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abd->cdab', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t13 = ((t12.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1906,14 +2196,21 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t10 = (t9.permute(1, 2, 0) @ t0)
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = (t10.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t14 = (t13.permute(0, 2, 3, 1) @ dA)
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t11.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -1932,15 +2229,16 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = A @ X
+    M_1 = t9
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1958,14 +2256,20 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t8.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t9.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.permute(0, 2, 3, 1)).sum()
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -1988,7 +2292,7 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9, optimize=[(0,)])
+    t12 = oe.contract('abb->b', t9)
     t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -2009,7 +2313,7 @@ def mse_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t8, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t8)
 
 
 def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -2032,13 +2336,14 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (2/(L*d_V*n_batch)) * t8
-    t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t12 = (2/(L*d_V*n_batch)) * t8
+    t13 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2060,12 +2365,18 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
+    t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t16 = (t15.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t13.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t14.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -2090,7 +2401,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t13 = t10.sum((0,))
     t1 += oe.contract('a,bc->bca', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -2111,7 +2422,7 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
-    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
     t10 = torch.sqrt(torch.clamp(t9, min=0.0))
     return t10
 
@@ -2145,32 +2456,34 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t2
-    t19 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = t21.view((d_V, d_V, d_V, d_V))
+    M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t19 = (1/n_batch) * t2
+    t20 = M_3.permute(2, 3, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * X
-    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t27 = t26.view((d_V, d_V, d_V, d_V))
-    t28 = G.transpose(-1, -2)
-    t29 = (1/n_batch) * t28
-    t30 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
-    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t32[...] = 0
+    M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t25 = (1/n_batch) * X
+    t26 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = M_2.permute(3, 2, 0, 1)
+    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = G.transpose(-1, -2)
+    t31 = (1/n_batch) * t30
+    t32 = M_2.permute(2, 3, 0, 1)
+    t33 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
     return H
 
 
@@ -2242,21 +2555,30 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t21 = (t20.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t22 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = G.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t17, t19, t22, 0.0,)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t24 * t17
+    t26 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (n_batch**(-2)) * (t28 * t25.permute(0, 2, 3, 1)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = G.transpose(-1, -2)
+    t32 = (t31.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t31.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = t17 * t32
+    t34 = (n_batch**(-2)) * (t28 * t33.permute(0, 2, 3, 1)).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t23, t30, t35, 0.0,)
 
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -2287,13 +2609,14 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t18 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t18 = (1/n_batch) * t1
+    t19 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t20 = (X * t18.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2323,10 +2646,12 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t17 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t17, M_3)
 
 
 def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -2357,13 +2682,14 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t18 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t18 = (1/n_batch) * t1
+    t19 = M_3.permute(2, 3, 0, 1)
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2393,12 +2719,16 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t16
+    t19 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t21 = (t20.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t22 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -2417,20 +2747,21 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = (1/n_batch) * X
-    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
-    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = (1/n_batch) * X
+    t14 = ((G.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2448,9 +2779,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2458,9 +2787,16 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t9 = F - Y
     t10 = (2/(L*d_V)) * t9
     G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = t13 * t12
+    t15 = (t11.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t16 = (t15.reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (n_batch**(-2)) * (t17 * t14.permute(0, 2, 3, 1)).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -2505,13 +2841,14 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t13 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t13 = (1/n_batch) * t11
-    t14 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t15 = oe.contract('abc,acd->bdac', t13, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    M_2 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t14 = (1/n_batch) * t11
+    t15 = M_2.permute(2, 3, 0, 1)
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t14.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2537,12 +2874,17 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t12 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t10, M_2, X, t10, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t12 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = t14 * t12
+    t16 = (t13.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.reshape((n_batch, n_batch, L**2, L)) @ t14.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t18 = (t17.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t19 = (n_batch**(-2)) * (t18 * t15.permute(0, 2, 3, 1)).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -2580,69 +2922,72 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_V*n_batch)) * X
-    t12 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t11, X, optimize=[(0, 1)])
-    t14 = A @ X
-    M_1 = t14
-    t15 = M_1 @ W_V
-    F = t15
-    t16 = F - Y
-    t17 = (2/(L*d_V)) * t16
-    G = t17
-    t18 = t9 @ t2
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_V*n_batch)) * X
+    t13 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t14 = ((t13.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = t10 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = ((t8.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t2
-    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t25 = t12.reshape(*t12.shape[:2], -1)
-    t26 = t23.reshape(*t23.shape[:2], -1)
-    t27 = torch.cat([t25, t26], dim=-1)
-    t28 = t13.reshape(*t13.shape[:2], -1)
-    t29 = t24.reshape(*t24.shape[:2], -1)
+    M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t25 = (1/n_batch) * t2
+    t26 = M_3.permute(2, 3, 0, 1)
+    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = t14.reshape(*t14.shape[:2], -1)
+    t29 = t26.reshape(*t26.shape[:2], -1)
     t30 = torch.cat([t28, t29], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
-    t31 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t32 = t31.view((d_V, d_V, d_V, d_V))
-    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t34 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t35 = (1/n_batch) * X
-    t36 = oe.contract('abc,abd->cdab', t35, G, optimize=[(0, 1)])
-    t37 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
-    t32 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
-    t38 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t39 = t38.view((d_V, d_V, d_V, d_V))
-    t40 = M_1.transpose(-1, -2)
-    t41 = (2/(L*d_V*n_batch)) * t40
-    t42 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
-    t44 = G.transpose(-1, -2)
-    t45 = (1/n_batch) * t44
-    t46 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t47 = oe.contract('abc,acd->bdac', t45, X, optimize=[(0, 1)])
-    t39[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
-    t39 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t48[...] = 0
-    t49 = t48.view((d_V, d_V, d_V, d_V))
-    t50 = t49.diagonal(0, 1, 3)
-    t51 = t40 @ M_1
-    t52 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t53 = (2/(L*d_V*n_batch)) * t52
-    t54 = oe.contract('abc->bc', t51, optimize=[(0,)])
-    t50 += oe.contract('a,bc->bca', t53, t54, optimize=[(0, 1)])
+    t31 = t15.reshape(*t15.shape[:2], -1)
+    t32 = t27.reshape(*t27.shape[:2], -1)
+    t33 = torch.cat([t31, t32], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
+    t34 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t35 = t34.view((d_V, d_V, d_V, d_V))
+    t36 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = (1/n_batch) * X
+    t39 = ((G.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t40 = M_2.permute(3, 2, 0, 1)
+    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t42 = t41.view((d_V, d_V, d_V, d_V))
+    t43 = M_1.transpose(-1, -2)
+    t44 = (2/(L*d_V*n_batch)) * t43
+    t45 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t47 = G.transpose(-1, -2)
+    t48 = (1/n_batch) * t47
+    t49 = M_2.permute(2, 3, 0, 1)
+    t50 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t51[...] = 0
+    t52 = t51.view((d_V, d_V, d_V, d_V))
+    t53 = t52.diagonal(0, 1, 3)
+    t54 = t43 @ M_1
+    t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t56 = (2/(L*d_V*n_batch)) * t55
+    t57 = t54.sum((0,))
+    t53 += oe.contract('a,bc->bca', t56, t57, optimize=[(0, 1)])
     return H
 
 
@@ -2710,38 +3055,85 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t7 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t10 = (t9.permute(1, 2, 0) @ t0)
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = (t10.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t14 = (t13.permute(0, 2, 3, 1) @ dA)
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t11.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = A @ X
+    M_1 = t18
+    t19 = M_1 @ W_V
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = t7 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = M_1.transpose(-1, -2)
-    t22 = G.transpose(-1, -2)
-    t23 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t21, t7, M_2, X, t21, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t21, t7, M_2, X, t22, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t22, M_2, X, t22, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t21 @ M_1
-    t26 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t18, t20, t24, t27,)
+    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t11 * t26
+    t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t29 = (t28.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t26.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t11 * t31
+    t33 = (t31.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t36 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t30 * t11.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t35 * t32.permute(0, 2, 3, 1)).sum()
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t39 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = t39 * t11
+    t41 = (t38.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t38.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t42 = (t11.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t43 = (t42.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t40.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t44 = (t43.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t45 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = (t38.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t47 = (t45.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.reshape((n_batch, n_batch, L**2, L)) @ t11.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t49 = (t48.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t50 = (t49.permute(0, 2, 3, 4, 1) @ t11.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t51 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t52 = t51 * t11
+    t53 = (t31.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t54 = (t53.reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t55 = (t54.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t56 = (4/(L**2*d_V**2*n_batch**2)) * (t44 * t41.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t50 * t46.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t55 * t52.permute(0, 2, 3, 1)).sum()
+    t57 = torch.sqrt(torch.clamp(t56, min=0.0))
+    t58 = M_1.transpose(-1, -2)
+    t59 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0)).reshape((n_batch, L, d_V))
+    t60 = (t58.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t58.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = t11 * t60
+    t62 = (t59.reshape((L*n_batch, d_V)) @ t59.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t63 = (t42.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t61.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t64 = (t63.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t65 = G.transpose(-1, -2)
+    t66 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t58.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t67 = (t59.reshape((L*n_batch, d_V)) @ t65.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t68 = (t66.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t69 = (t68.reshape((n_batch, n_batch, L**2, L)) @ t11.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t70 = (t69.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t71 = (t70.permute(0, 2, 3, 4, 1) @ t11.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t72 = (t65.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t65.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t73 = t11 * t72
+    t74 = (4/(L**2*d_V**2*n_batch**2)) * (t64 * t62.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t71 * t67.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t55 * t73.permute(0, 2, 3, 1)).sum()
+    t75 = torch.sqrt(torch.clamp(t74, min=0.0))
+    t76 = t58 @ M_1
+    t77 = (4/(L**2*d_V*n_batch**2)) * (t76.sum((0,)) * t76.sum((0,))).sum()
+    t78 = torch.sqrt(torch.clamp(t77, min=0.0))
+    return (t37, t57, t75, t78,)
 
 
 def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -2760,34 +3152,37 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t8 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t13 = ((t12.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t14 = (X * t11).permute(2, 0, 1)
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t9 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t22 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t23 = oe.contract('abc,acb->bac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t24 = (1/n_batch) * t1
+    t25 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t26 = (X * t24.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -2805,27 +3200,33 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t7 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t11 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t12 = (t11.reshape((L*n_batch, d_V**2)) @ t9.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t8 @ t0
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    d2A = ((t6.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t22 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t12 * t10).sum() + (1/n_batch) * oe.contract('ab,abcc->', t22, M_3)
 
 
 def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -2844,39 +3245,42 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t11 = oe.contract('abcd,ce,abef->dfab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
-    t12 = oe.contract('abc,abd->cdab', t10, X, optimize=[(0, 1)])
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = t8 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t13 = ((t12.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = t9 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t24 = t11.reshape(*t11.shape[:2], -1)
-    t25 = t22.reshape(*t22.shape[:2], -1)
-    t26 = torch.cat([t24, t25], dim=-1)
-    t27 = t12.reshape(*t12.shape[:2], -1)
-    t28 = t23.reshape(*t23.shape[:2], -1)
+    M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t24 = (1/n_batch) * t1
+    t25 = M_3.permute(2, 3, 0, 1)
+    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = t13.reshape(*t13.shape[:2], -1)
+    t28 = t25.reshape(*t25.shape[:2], -1)
     t29 = torch.cat([t27, t28], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t26, t29, optimize=[(0, 1)])
+    t30 = t14.reshape(*t14.shape[:2], -1)
+    t31 = t26.reshape(*t26.shape[:2], -1)
+    t32 = torch.cat([t30, t31], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t29, t32, optimize=[(0, 1)])
     return out
 
 
@@ -2894,29 +3298,44 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = t7 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t10 = (t9.permute(1, 2, 0) @ t0)
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = (t10.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t14 = (t13.permute(0, 2, 3, 1) @ dA)
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t11.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = A @ X
+    M_1 = t18
+    t19 = M_1 @ W_V
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = t7 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t16, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t11 * t26
+    t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t29 = (t28.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t26.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t11 * t31
+    t33 = (t31.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t36 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t30 * t11.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t35 * t32.permute(0, 2, 3, 1)).sum()
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return t37
 
 
 def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -2935,24 +3354,25 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/n_batch) * X
-    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = A @ X
+    M_1 = t9
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = (1/n_batch) * X
+    t17 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2970,19 +3390,37 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t8.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t9.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = F - Y
+    t18 = (2/(L*d_V)) * t17
+    G = t18
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t22 = (t21.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t24 = (t23.permute(0, 2, 3, 4, 1) @ t9.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t26 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = t26 * t9
+    t28 = (t25.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t29 = (t28.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t24 * t20.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t30 * t27.permute(0, 2, 3, 1)).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -3005,7 +3443,7 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9, optimize=[(0,)])
+    t12 = oe.contract('abb->b', t9)
     t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -3026,7 +3464,7 @@ def mse_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t8, optimize=[(0,)])
+    return (2/(L*n_batch)) * oe.contract('abb->', t8)
 
 
 def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -3049,23 +3487,24 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t11 = (2/(L*d_V*n_batch)) * t8
-    t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = F - Y
-    t16 = (2/(L*d_V)) * t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = (1/n_batch) * t17
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t12 = (2/(L*d_V*n_batch)) * t8
+    t13 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = F - Y
+    t17 = (2/(L*d_V)) * t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/n_batch) * t18
+    t20 = M_2.permute(2, 3, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3087,18 +3526,36 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t13, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
+    t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t16 = (t15.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t13.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (t10.reshape((L*n_batch, d_V)) @ t21.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.reshape((n_batch, n_batch, L**2, L)) @ t12.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t26 = (t25.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t27 = (t26.permute(0, 2, 3, 4, 1) @ t12.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t28 = (t21.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t12 * t28
+    t31 = (t29.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t14.permute(0, 2, 3, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t33 * t30.permute(0, 2, 3, 1)).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return t35
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -3123,7 +3580,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abc->bc', t10, optimize=[(0,)])
+    t13 = t10.sum((0,))
     t1 += oe.contract('a,bc->bca', t12, t13, optimize=[(0, 1)])
     return out
 
@@ -3144,7 +3601,7 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
-    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
     t10 = torch.sqrt(torch.clamp(t9, min=0.0))
     return t10
 
@@ -3163,34 +3620,49 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = t7 @ t0
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
+    t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t10 = (t9.permute(1, 2, 0) @ t0)
+    t11 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t11
+    t13 = (t10.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t14 = (t13.permute(0, 2, 3, 1) @ dA)
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t11.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
+    t19 = A @ X
+    M_1 = t19
+    t20 = M_1 @ W_V
+    F = t20
+    t21 = F - Y
+    t22 = (2/(L*d_V)) * t21
+    G = t22
+    t23 = t7 @ t0
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = t9 + t18 + t19
-    t21 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t22 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t21, t22, t23,)
+    d2A = ((t6.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = t11 * t27
+    t29 = (t27.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t32 = (n_batch**(-2)) * (t31 * t28.permute(0, 2, 3, 1)).sum()
+    t33 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t11 * t33
+    t35 = (t34.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t35.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t37 = (t36.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t38 = (4/(L*d_V*n_batch**2)) * (t37 * t11.permute(2, 0, 1, 3)).sum()
+    t39 = t18 + t32 + t38
+    t40 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t41 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t42 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return (t40, t41, t42,)
 
 
 def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -3207,24 +3679,42 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = A @ X
     M_1 = t7
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
-    t14 = t8 + t12 + t13
-    t15 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t16 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t17 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return (t15, t16, t17,)
+    t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t9 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = t10 * t9
+    t12 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t8.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t9.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t14 = (t13.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t15 = (t14.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t12.permute(0, 2, 3, 1)).sum()
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = t21 * t9
+    t23 = (t20.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t26 = (n_batch**(-2)) * (t25 * t22.permute(0, 2, 3, 1)).sum()
+    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.reshape((n_batch, n_batch, L**2, L)) @ t9.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t32 = (t31.permute(0, 2, 3, 4, 1) @ t9.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t33 = (4/(L*d_V*n_batch**2)) * (t32 * t28.permute(0, 2, 3, 1)).sum()
+    t34 = t16 + t26 + t33
+    t35 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t35, t36, t37,)
 
 
 def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -3245,23 +3735,41 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t14, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t17 = t10 + t15 + t16
-    t18 = torch.sqrt(torch.clamp(t10, min=0.0))
-    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, t19, t20,)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
+    t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t16 = (t15.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t13.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t17 = (t16.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * (t17 * t14.permute(0, 2, 3, 1)).sum()
+    t19 = M_1 @ W_V
+    F = t19
+    t20 = F - Y
+    t21 = (2/(L*d_V)) * t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t12 * t23
+    t26 = (t24.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26.reshape((n_batch, n_batch, L**2, L)) @ t12.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (n_batch**(-2)) * (t28 * t25.permute(0, 2, 3, 1)).sum()
+    t30 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = (t10.reshape((L*n_batch, d_V)) @ t22.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (t30.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.reshape((n_batch, n_batch, L**2, L)) @ t12.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t35 = (t34.permute(0, 2, 3, 4, 1) @ t12.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t36 = (4/(L*d_V*n_batch**2)) * (t35 * t31.permute(0, 2, 3, 1)).sum()
+    t37 = t18 + t29 + t36
+    t38 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t39 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t40 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return (t38, t39, t40,)
 
 
 def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -3280,7 +3788,7 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
-    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
     t10 = t9 + 0.0 + 0.0
     t11 = torch.sqrt(torch.clamp(t9, min=0.0))
     t12 = torch.sqrt(torch.clamp(t10, min=0.0))
@@ -3302,9 +3810,15 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t6 = torch.where(t5, -math.inf, t4)
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t8 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t8, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
+    t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
+    t10 = (t9.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, d_V, L, d_V))
+    t2[...] = ((t10.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t11 = -A
+    t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
+    t14 = (t12.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += ((t14.reshape((n_batch, L, d_V**2, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
     return out
 
 
@@ -3323,9 +3837,15 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t6 = torch.where(t5, -math.inf, t4)
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t2[...] = oe.contract('ab,cbd,ced,cdf,ceg->ceagf', t0, t1, A, X, X, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t8 = -A
-    t2 += oe.contract('ab,cbd,ced,cef,cfg,ceh->ceahg', t0, t1, t8, A, X, X, optimize=[(0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
+    t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
+    t10 = (t9.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, d_V, L, d_V))
+    t2[...] = ((t10.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t11 = -A
+    t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
+    t14 = (t12.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += ((t14.reshape((n_batch, L, d_V**2, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
     return (J,)
 
 
@@ -3438,41 +3958,46 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
-    t21 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t8, dA14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = M_1.transpose(-1, -2)
-    t26 = (1/(L*n_batch)) * t25
-    t27 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
-    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t30 = t29.view((d_V, d_V, d_V, d_V))
-    t31 = oe.contract('abc,abcd->cdab', t8, dA14, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd->bdac', t26, M_1, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t19 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
+    t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t22 = ((t21 @ t20)).permute(3, 2, 0, 1)
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = t24.view((d_V, d_V, d_V, d_V))
+    t26 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t27 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = M_1.transpose(-1, -2)
+    t31 = (1/(L*n_batch)) * t30
+    t32 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t33 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t35 = t34.view((d_V, d_V, d_V, d_V))
+    t36 = ((dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
     return H
 
 
@@ -3528,9 +4053,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -3540,18 +4063,47 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = M_1.transpose(-1, -2)
-    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t18, t6, dA12, t13, M_2, X, t18, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t18, t6, dA12, M_1, t18, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t15, t17, t20, t22,)
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (t15.permute(1, 2, 0) @ t14.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.reshape((n_batch, L**2, d_V)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA)
+    t21 = (t20.permute(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.permute(0, 2, 3, 1) @ dA)
+    t24 = (t17 @ t23.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(0, 2, 3, 1) @ dA)
+    t26 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * t22.permute(0, 2, 3, 1)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t32 = (t31 @ dA)
+    t33 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t33 * t16
+    t35 = (t32.reshape((n_batch, L*d_V, L)) @ t16.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t36 = (t35.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t32.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t37 = (1/(L**2*n_batch**2)) * (t36 * t34.permute(2, 0, 1, 3)).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = M_1.transpose(-1, -2)
+    t40 = (t39.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = (t17 @ t14.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t42 = (t41.permute(0, 2, 3, 1) @ dA)
+    t43 = t16 * t40
+    t44 = (t42.reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t45 = (t44.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t42.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t46 = (1/(L**2*n_batch**2)) * (t45 * t43.permute(0, 2, 3, 1)).sum()
+    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    t48 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t49 = t48 * t40
+    t50 = (1/(L**2*n_batch**2)) * (t49 * t33).sum()
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    return (t30, t38, t47, t51,)
 
 
 def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -3568,24 +4120,29 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
+    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20.reshape((n_batch, L, d_V, 1, d_V)) @ t19.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t22 = (X * t16).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3601,21 +4158,28 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)])
+    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t16 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t17 = (dA13.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17.reshape((L*d_V*n_batch, d_V)) @ t14).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18 @ t16)
+    t20 = (t19.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t15).sum()
 
 
 def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -3632,24 +4196,29 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
+    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20 @ t19)).permute(3, 2, 0, 1)
+    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3665,9 +4234,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -3677,11 +4244,26 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (t15.permute(1, 2, 0) @ t14.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.reshape((n_batch, L**2, d_V)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA)
+    t21 = (t20.permute(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.permute(0, 2, 3, 1) @ dA)
+    t24 = (t17 @ t23.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(0, 2, 3, 1) @ dA)
+    t26 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * t22.permute(0, 2, 3, 1)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -3698,23 +4280,26 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = (1/(L*n_batch)) * X
-    t15 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t7, dA13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t14, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = ((t17.permute(0, 1, 3, 2) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -3730,9 +4315,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -3742,10 +4325,19 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t16 = (t15 @ dA)
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t16.reshape((n_batch, L*d_V, L)) @ t17.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t21 = (t20.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t22 = (1/(L**2*n_batch**2)) * (t21 * t19.permute(2, 0, 1, 3)).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -3770,10 +4362,10 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcc->cab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, M_1, optimize=[(0, 1)])
+    t14 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
+    t15 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -3798,8 +4390,10 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t5, t7, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t13 = oe.contract('abcc,abc->ab', dA, t7)
+    return (1/(L*n_batch)) * (t13 * t12).sum()
 
 
 def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -3824,17 +4418,20 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = W_V.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA15 = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (dA15.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA15, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/(L*n_batch)) * t6
-    t17 = oe.contract('abc,abcd,de,abef->cfab', t8, dA, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t17 = (1/(L*n_batch)) * t6
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t20 = ((t19 @ t18.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3858,16 +4455,23 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA14, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t5, t7, dA, t12, M_2, X, t5, t7, dA, t12, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t17 @ t15.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA14)
+    t21 = t18 * t16
+    t22 = (t20.reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t20.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.permute(0, 2, 3, 1)).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -3892,10 +4496,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t14 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -3920,10 +4524,15 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
@@ -3958,32 +4567,34 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (1/n_batch) * t2
-    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t25 = t24.view((d_V, d_V, d_V, d_V))
+    M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t22 = (1/n_batch) * t2
+    t23 = M_3.permute(2, 3, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t26 = t25.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t26 = (1/n_batch) * X
-    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t30 = t29.view((d_V, d_V, d_V, d_V))
-    t31 = G.transpose(-1, -2)
-    t32 = (1/n_batch) * t31
-    t33 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t35[...] = 0
+    M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t28 = (1/n_batch) * X
+    t29 = ((G.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = M_2.permute(3, 2, 0, 1)
+    t26[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t32 = t31.view((d_V, d_V, d_V, d_V))
+    t33 = G.transpose(-1, -2)
+    t34 = (1/n_batch) * t33
+    t35 = M_2.permute(2, 3, 0, 1)
+    t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t37[...] = 0
     return H
 
 
@@ -4061,21 +4672,30 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t25 = (n_batch**(-2)) * (t24 * t21.permute(0, 2, 3, 1)).sum()
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = G.transpose(-1, -2)
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t20, t22, t25, 0.0,)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t27 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = t27 * t20
+    t29 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t31 = (t30.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t32 = (n_batch**(-2)) * (t31 * t28.permute(0, 2, 3, 1)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = G.transpose(-1, -2)
+    t35 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t20 * t35
+    t37 = (n_batch**(-2)) * (t31 * t36.permute(0, 2, 3, 1)).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return (t26, t33, t38, 0.0,)
 
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -4109,13 +4729,14 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t21 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t21 = (1/n_batch) * t1
+    t22 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t23 = (X * t21.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4148,10 +4769,12 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t20 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t20, M_3)
 
 
 def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -4185,13 +4808,14 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t21 = (1/n_batch) * t1
+    t22 = M_3.permute(2, 3, 0, 1)
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4224,12 +4848,16 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t25 = (n_batch**(-2)) * (t24 * t21.permute(0, 2, 3, 1)).sum()
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -4246,25 +4874,26 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = t7 * A11
-    t13 = t12 - Y
-    t14 = (1/L) * t13
-    G = t14
-    t15 = (1/n_batch) * X
-    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = t8 * A12
+    t14 = t13 - Y
+    t15 = (1/L) * t14
+    G = t15
+    t16 = (1/n_batch) * X
+    t17 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4280,9 +4909,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4295,9 +4922,16 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t12 = t11 - Y
     t13 = (1/L) * t12
     G = t13
-    t14 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t15
+    t18 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t19 = (t18.reshape((n_batch, n_batch, L**2, L)) @ t15.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t20 = (t19.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t21 = (n_batch**(-2)) * (t20 * t17.permute(0, 2, 3, 1)).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -4345,13 +4979,14 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t14
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t17 = (1/n_batch) * t14
+    t18 = M_2.permute(2, 3, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4380,12 +5015,17 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t21 = (t20.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t22 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum()
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -4421,74 +5061,80 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
-    F = t10
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t8 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = t15 @ t2
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t19 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
+    t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t22 = ((t21 @ t20)).permute(3, 2, 0, 1)
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    F = t11
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t9 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t16 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t27, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    d2A = ((t6.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/n_batch) * t2
-    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
-    t31 = t17.reshape(*t17.shape[:2], -1)
-    t32 = t29.reshape(*t29.shape[:2], -1)
-    t33 = torch.cat([t31, t32], dim=-1)
-    t34 = t18.reshape(*t18.shape[:2], -1)
-    t35 = t30.reshape(*t30.shape[:2], -1)
-    t36 = torch.cat([t34, t35], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t33, t36, optimize=[(0, 1)])
-    t37 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t38 = t37.view((d_V, d_V, d_V, d_V))
-    t39 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t8, dA14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t40 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    t41 = (1/n_batch) * X
-    t42 = oe.contract('abc,abd->cdab', t41, G, optimize=[(0, 1)])
-    t43 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t38[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t45 = t44.view((d_V, d_V, d_V, d_V))
-    t46 = G.transpose(-1, -2)
-    t47 = (1/n_batch) * t46
-    t48 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t49 = oe.contract('abc,acd->bdac', t47, X, optimize=[(0, 1)])
-    t50 = M_1.transpose(-1, -2)
-    t51 = (1/(L*n_batch)) * t50
-    t52 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abc,acd->bdac', t51, X, optimize=[(0, 1)])
-    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t45 += oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t55 = t54.view((d_V, d_V, d_V, d_V))
-    t56 = oe.contract('abc,abcd->cdab', t8, dA14, optimize=[(0, 1)])
-    t57 = oe.contract('abc,acd->bdac', t51, M_1, optimize=[(0, 1)])
-    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t34 = (1/n_batch) * t2
+    t35 = M_3.permute(2, 3, 0, 1)
+    t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t37 = t22.reshape(*t22.shape[:2], -1)
+    t38 = t35.reshape(*t35.shape[:2], -1)
+    t39 = torch.cat([t37, t38], dim=-1)
+    t40 = t23.reshape(*t23.shape[:2], -1)
+    t41 = t36.reshape(*t36.shape[:2], -1)
+    t42 = torch.cat([t40, t41], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t39, t42, optimize=[(0, 1)])
+    t43 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t44 = t43.view((d_V, d_V, d_V, d_V))
+    t45 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t46 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t47 = (1/n_batch) * X
+    t48 = ((G.reshape((n_batch, L, d_V, 1)) * t47.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t49 = M_2.permute(3, 2, 0, 1)
+    t44[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t44 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t51 = t50.view((d_V, d_V, d_V, d_V))
+    t52 = G.transpose(-1, -2)
+    t53 = (1/n_batch) * t52
+    t54 = M_2.permute(2, 3, 0, 1)
+    t55 = ((X.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t56 = M_1.transpose(-1, -2)
+    t57 = (1/(L*n_batch)) * t56
+    t58 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t59 = ((X.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t51[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t51 += oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t61 = t60.view((d_V, d_V, d_V, d_V))
+    t62 = ((dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
     return H
 
 
@@ -4562,9 +5208,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4574,34 +5218,90 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = W_V.transpose(-1, -2)
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (t15.permute(1, 2, 0) @ t14.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.reshape((n_batch, L**2, d_V)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA)
+    t21 = (t20.permute(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.permute(0, 2, 3, 1) @ dA)
+    t24 = (t17 @ t23.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(0, 2, 3, 1) @ dA)
+    t26 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = t13 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t6 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t13 @ t0
+    t35 = G @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = G.transpose(-1, -2)
-    t28 = M_1.transpose(-1, -2)
-    t29 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t27, M_2, X, t27, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t27, M_2, X, t28, t6, dA12, t13, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t28, t6, dA12, t13, M_2, X, t28, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t28, t6, dA12, M_1, t28, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return (t24, t26, t30, t32,)
+    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = t16 * t38
+    t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t41 = (t40.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t42 = (t41.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t43 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = t16 * t43
+    t45 = (t43.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t46 = (t45.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t47 = (t46.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t48 = (1/(L**2*n_batch**2)) * (t28 * t22.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t42 * t39.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t50 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t51 = (t50 @ dA)
+    t52 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t53 = t52 * t16
+    t54 = (t51.reshape((n_batch, L*d_V, L)) @ t16.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t55 = (t54.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t51.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t56 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t57 = (t15.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t58 = (t57.permute(0, 2, 3, 1) @ t14)
+    t59 = (t58.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t60 = (t59.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t16.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t61 = (t60.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t62 = (t61.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t63 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t64 = t63 * t16
+    t65 = (t43.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t66 = (t65.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t67 = (t66.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t68 = (1/(L**2*n_batch**2)) * (t55 * t53.permute(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t62 * t56.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t67 * t64.permute(0, 2, 3, 1)).sum()
+    t69 = torch.sqrt(torch.clamp(t68, min=0.0))
+    t70 = G.transpose(-1, -2)
+    t71 = (t70.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t70.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t72 = t16 * t71
+    t73 = M_1.transpose(-1, -2)
+    t74 = (t73.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t75 = (t74.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t76 = (t17 @ t14.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t77 = (t76.permute(0, 2, 3, 1) @ dA)
+    t78 = (t75.reshape((n_batch, n_batch, L, L, L, 1)) * t16.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t79 = (t78.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t80 = (t79.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t77.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t81 = (t73.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t73.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t82 = t16 * t81
+    t83 = (t77.reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t84 = (t83.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t77.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t85 = (n_batch**(-2)) * (t67 * t72.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t80 * t70.permute(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t84 * t82.permute(0, 2, 3, 1)).sum()
+    t86 = torch.sqrt(torch.clamp(t85, min=0.0))
+    t87 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t88 = t87 * t81
+    t89 = (1/(L**2*n_batch**2)) * (t88 * t52).sum()
+    t90 = torch.sqrt(torch.clamp(t89, min=0.0))
+    return (t49, t69, t86, t90,)
 
 
 def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -4618,43 +5318,49 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    F = t9
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t7 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = t14 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
+    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20.reshape((n_batch, L, d_V, 1, d_V)) @ t19.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t22 = (X * t16).permute(2, 0, 1)
+    F = t10
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t8 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t15 @ t1
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/n_batch) * t1
-    t28 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t29 = oe.contract('abc,acb->bac', t27, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t33 = (1/n_batch) * t1
+    t34 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t35 = (X * t33.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -4670,36 +5376,45 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = W_V.transpose(-1, -2)
-    F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = t13 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t16 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t17 = (dA13.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17.reshape((L*d_V*n_batch, d_V)) @ t14).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18 @ t16)
+    t20 = (t19.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    F = t9
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t7 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = t14 @ t0
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    d2A = ((t4.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t31 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t15).sum() + (1/n_batch) * oe.contract('ab,abcc->', t31, M_3)
 
 
 def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -4716,48 +5431,54 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
-    F = t9
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t7 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = t14 @ t1
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
+    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20 @ t19)).permute(3, 2, 0, 1)
+    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    F = t10
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t8 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t15 @ t1
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t26, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t27 = (1/n_batch) * t1
-    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t30 = t16.reshape(*t16.shape[:2], -1)
-    t31 = t28.reshape(*t28.shape[:2], -1)
-    t32 = torch.cat([t30, t31], dim=-1)
-    t33 = t17.reshape(*t17.shape[:2], -1)
-    t34 = t29.reshape(*t29.shape[:2], -1)
-    t35 = torch.cat([t33, t34], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t32, t35, optimize=[(0, 1)])
+    M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t33 = (1/n_batch) * t1
+    t34 = M_3.permute(2, 3, 0, 1)
+    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = t21.reshape(*t21.shape[:2], -1)
+    t37 = t34.reshape(*t34.shape[:2], -1)
+    t38 = torch.cat([t36, t37], dim=-1)
+    t39 = t22.reshape(*t22.shape[:2], -1)
+    t40 = t35.reshape(*t35.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
     return out
 
 
@@ -4773,9 +5494,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4785,26 +5504,49 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = W_V.transpose(-1, -2)
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (t15.permute(1, 2, 0) @ t14.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.reshape((n_batch, L**2, d_V)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA)
+    t21 = (t20.permute(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.permute(0, 2, 3, 1) @ dA)
+    t24 = (t17 @ t23.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(0, 2, 3, 1) @ dA)
+    t26 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = t13 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t6 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t13 @ t0
+    t35 = G @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t22, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = t16 * t38
+    t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t41 = (t40.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t42 = (t41.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t43 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = t16 * t43
+    t45 = (t43.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t46 = (t45.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t47 = (t46.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t48 = (1/(L**2*n_batch**2)) * (t28 * t22.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t42 * t39.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    return t49
 
 
 def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -4821,34 +5563,37 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
-    t14 = (1/(L*n_batch)) * X
-    t15 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t7, dA13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abd->cdab', t14, M_1, optimize=[(0, 1)])
-    F = t9
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t7 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = (1/n_batch) * X
-    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
-    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = ((t17.permute(0, 1, 3, 2) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    F = t10
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t8 * A21
+    t23 = t22 - Y
+    t24 = (1/L) * t23
+    G = t24
+    t25 = (1/n_batch) * X
+    t26 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4864,9 +5609,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4876,17 +5619,39 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t16 = (t15 @ dA)
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t16.reshape((n_batch, L*d_V, L)) @ t17.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t21 = (t20.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t8
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t6 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t6 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = (t13.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t29 = (t28.permute(0, 2, 3, 1) @ t14)
+    t30 = (t29.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t31 = (t30.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t17.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t32 = (t31.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t35 * t17
+    t37 = (t34.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t38 = (t37.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t39 = (t38.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t40 = (1/(L**2*n_batch**2)) * (t21 * t19.permute(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t33 * t27.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t39 * t36.permute(0, 2, 3, 1)).sum()
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return t41
 
 
 def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -4911,10 +5676,10 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcc->cab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, M_1, optimize=[(0, 1)])
+    t14 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
+    t15 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -4939,8 +5704,10 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t5, t7, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t13 = oe.contract('abcc,abc->ab', dA, t7)
+    return (1/(L*n_batch)) * (t13 * t12).sum()
 
 
 def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -4970,24 +5737,27 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t16 = (1/n_batch) * t14
-    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t17 = (1/n_batch) * t14
+    t18 = M_2.permute(2, 3, 0, 1)
+    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = M_1.transpose(-1, -2)
+    t21 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
-    t24 = W_V.transpose(-1, -2)
-    t25 = (1/(L*n_batch)) * t19
-    t26 = oe.contract('abc,abcd,de,abef->cfab', t2, dA23, t24, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = oe.contract('abc,acd->bdac', t25, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    dA24 = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(L*n_batch)) * t20
+    t27 = (dA24.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t28 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t29 = ((t28 @ t27.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -5016,19 +5786,37 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t15 = M_1.transpose(-1, -2)
-    t16 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t20 = (t19.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t21 = (t20.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
-    t20 = W_V.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t13, M_2, X, t15, t1, dA19, t20, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t15, t1, dA19, t20, M_2, X, t15, t1, dA19, t20, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t27 = W_V.transpose(-1, -2)
+    t28 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V))
+    t31 = (t29.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t30 @ t28.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t33 = (t32.permute(0, 2, 3, 1) @ dA)
+    t34 = (t31.reshape((n_batch, n_batch, L, L, L, 1)) * t17.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t35.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t33.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t37 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t17 * t37
+    t39 = (t33.reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t40 = (t39.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t33.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t41 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t36 * t13.permute(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t40 * t38.permute(0, 2, 3, 1)).sum()
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    return t42
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -5053,10 +5841,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abcd->cdab', t8, dA, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t14 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
@@ -5081,10 +5869,15 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
@@ -5099,9 +5892,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5111,31 +5902,54 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (t15.permute(1, 2, 0) @ t14.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.reshape((n_batch, L**2, d_V)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA)
+    t21 = (t20.permute(0, 1, 3, 2) @ dA)
+    t22 = t16 * t16
+    t23 = (t18.permute(0, 2, 3, 1) @ dA)
+    t24 = (t17 @ t23.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(0, 2, 3, 1) @ dA)
+    t26 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t27 = (t26.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t25.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * t22.permute(0, 2, 3, 1)).sum()
     F = t8
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t6 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = t13 @ t0
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t6 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = t13 @ t0
+    t36 = G @ t35
+    t37 = t36 - (A * t36).sum(-1, keepdim=True)
+    t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = t14 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    d2A = ((t4.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t39 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = t16 * t39
+    t41 = (t39.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t42 = (t41.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t43 = (t42.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t44 = (n_batch**(-2)) * (t43 * t40.permute(0, 2, 3, 1)).sum()
+    t45 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = t16 * t45
+    t47 = (t45.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t49 = (t48.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t21.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t50 = (2/(L*n_batch**2)) * (t49 * t46.permute(2, 0, 1, 3)).sum()
+    t51 = t29 + t44 + t50
+    t52 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t53 = torch.sqrt(torch.clamp(t44, min=0.0))
+    t54 = torch.sqrt(torch.clamp(t51, min=0.0))
+    return (t52, t53, t54,)
 
 
 def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -5150,9 +5964,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5162,22 +5974,44 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t16 = (t15 @ dA)
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t16.reshape((n_batch, L*d_V, L)) @ t17.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t21 = (t20.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t22 = (1/(L**2*n_batch**2)) * (t21 * t19.permute(2, 0, 1, 3)).sum()
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = t13 + t19 + t20
-    t22 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, t23, t24,)
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t6 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t29 * t17
+    t31 = (t28.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (n_batch**(-2)) * (t33 * t30.permute(0, 2, 3, 1)).sum()
+    t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = (t13.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t37 = (t36.permute(0, 2, 3, 1) @ t14)
+    t38 = (t37.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t39 = (t38.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t17.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t40 = (t39.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t41 = (t40.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t42 = (2/(L*n_batch**2)) * (t41 * t35.permute(0, 2, 3, 1)).sum()
+    t43 = t22 + t34 + t42
+    t44 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t45 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t46 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return (t44, t45, t46,)
 
 
 def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -5200,29 +6034,49 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA14, X, optimize=[(0, 1), (0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t5, t7, dA, t12, M_2, X, t5, t7, dA, t12, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t17 @ t15.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t19.permute(0, 2, 3, 1) @ dA14)
+    t21 = t18 * t16
+    t22 = (t20.reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t20.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.permute(0, 2, 3, 1)).sum()
     F = t8
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t7 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t5, t7, dA, t12, M_2, X, t21, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t24 = t15 + t22 + t23
-    t25 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, t26, t27,)
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t7 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = G.transpose(-1, -2)
+    t31 = (t30.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t33 = t18 * t31
+    t34 = (t32.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA14.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t35.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA14.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t37 = (n_batch**(-2)) * (t36 * t33.permute(0, 2, 3, 1)).sum()
+    t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t39 = (t17.permute(0, 2, 1) @ dA14.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t40 = (t39.permute(0, 2, 3, 1) @ t15.permute(0, 1, 3, 2))
+    t41 = (t40.reshape((L**2*n_batch, d_V)) @ t30.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t42 = (t41.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t43 = (t42.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t44 = (t43.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t45 = (2/(L*n_batch**2)) * (t44 * t38.permute(0, 2, 3, 1)).sum()
+    t46 = t24 + t37 + t45
+    t47 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t48 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t49 = torch.sqrt(torch.clamp(t46, min=0.0))
+    return (t47, t48, t49,)
 
 
 def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -5245,12 +6099,17 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t13 = t12 + 0.0 + 0.0
-    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return (t14, 0.0, t15,)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = t15 * t13
+    t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
+    t18 = t17 + 0.0 + 0.0
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, 0.0, t20,)
 
 
 def ce_causal1__loss(X, W_QK, W_V, Y):
@@ -5328,41 +6187,46 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = (1/(L*n_batch)) * X
-    t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = t21.view((d_V, d_V, d_V, d_V))
-    t23 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t10, dA16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = oe.contract('abc,abd->cdab', t18, M_1, optimize=[(0, 1)])
-    t22[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = M_1.transpose(-1, -2)
-    t28 = (1/(L*n_batch)) * t27
-    t29 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t32 = t31.view((d_V, d_V, d_V, d_V))
-    t33 = oe.contract('abc,abcd->cdab', t10, dA16, optimize=[(0, 1)])
-    t34 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*n_batch)) * X
+    t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
+    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t24 = ((t23 @ t22)).permute(3, 2, 0, 1)
+    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t27 = t26.view((d_V, d_V, d_V, d_V))
+    t28 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t29 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t31 = t30.view((d_V, d_V, d_V, d_V))
+    t32 = M_1.transpose(-1, -2)
+    t33 = (1/(L*n_batch)) * t32
+    t34 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t37 = t36.view((d_V, d_V, d_V, d_V))
+    t38 = ((dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t39 = ((M_1.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t37[...] = oe.contract('abcd,efcd->eafb', t38, t39, optimize=[(0, 1)])
     return H
 
 
@@ -5422,9 +6286,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -5434,18 +6296,47 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = M_1.transpose(-1, -2)
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t20, t8, dA14, t15, M_2, X, t20, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t8, dA14, M_1, t20, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t17, t19, t22, t24,)
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t21 = (t20.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    t23 = (t22.permute(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.permute(0, 2, 3, 1) @ dA)
+    t26 = (t19 @ t25.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(0, 2, 3, 1) @ dA)
+    t28 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (1/(L**2*n_batch**2)) * (t30 * t24.permute(0, 2, 3, 1)).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t34 = (t33 @ dA)
+    t35 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t35 * t18
+    t37 = (t34.reshape((n_batch, L*d_V, L)) @ t18.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t38 = (t37.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t34.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t39 = (1/(L**2*n_batch**2)) * (t38 * t36.permute(2, 0, 1, 3)).sum()
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = M_1.transpose(-1, -2)
+    t42 = (t41.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = (t19 @ t16.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t44 = (t43.permute(0, 2, 3, 1) @ dA)
+    t45 = t18 * t42
+    t46 = (t44.reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t47 = (t46.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t44.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t48 = (1/(L**2*n_batch**2)) * (t47 * t45.permute(0, 2, 3, 1)).sum()
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    t50 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t51 = t50 * t42
+    t52 = (1/(L**2*n_batch**2)) * (t51 * t35).sum()
+    t53 = torch.sqrt(torch.clamp(t52, min=0.0))
+    return (t32, t40, t49, t53,)
 
 
 def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -5464,24 +6355,29 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = ((t22.reshape((n_batch, L, d_V, 1, d_V)) @ t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t24 = (X * t18).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5499,21 +6395,28 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)])
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t18 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t19 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t19.reshape((L*d_V*n_batch, d_V)) @ t16).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20 @ t18)
+    t22 = (t21.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t17).sum()
 
 
 def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -5532,24 +6435,29 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21)).permute(3, 2, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5567,9 +6475,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -5579,11 +6485,26 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t21 = (t20.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    t23 = (t22.permute(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.permute(0, 2, 3, 1) @ dA)
+    t26 = (t19 @ t25.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(0, 2, 3, 1) @ dA)
+    t28 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (1/(L**2*n_batch**2)) * (t30 * t24.permute(0, 2, 3, 1)).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -5602,23 +6523,26 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t9, dA15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5636,9 +6560,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -5648,10 +6570,19 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t18 = (t17 @ dA)
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t18.reshape((n_batch, L*d_V, L)) @ t19.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t18.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.permute(2, 0, 1, 3)).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -5678,10 +6609,10 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t17 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -5708,8 +6639,10 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -5736,17 +6669,20 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t18 = (dA17.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/(L*n_batch)) * t8
-    t19 = oe.contract('abc,abcd,de,abef->cfab', t10, dA, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t19 = (1/(L*n_batch)) * t8
+    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t22 = ((t21 @ t20.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5772,16 +6708,23 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA16, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t7, t9, dA, t14, M_2, X, t7, t9, dA, t14, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t19 @ t17.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA16)
+    t23 = t20 * t18
+    t24 = (t22.reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t25 = (t24.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t22.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t26 = (1/(L**2*n_batch**2)) * (t25 * t23.permute(0, 2, 3, 1)).sum()
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -5808,10 +6751,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -5838,10 +6781,15 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
@@ -5878,32 +6826,34 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t23 = (1/n_batch) * t2
-    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
-    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t27 = t26.view((d_V, d_V, d_V, d_V))
+    M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t24 = (1/n_batch) * t2
+    t25 = M_3.permute(2, 3, 0, 1)
+    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t28 = t27.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t28 = (1/n_batch) * X
-    t29 = oe.contract('abc,abd->cdab', t28, G, optimize=[(0, 1)])
-    t30 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t27[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t32 = t31.view((d_V, d_V, d_V, d_V))
-    t33 = G.transpose(-1, -2)
-    t34 = (1/n_batch) * t33
-    t35 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t36 = oe.contract('abc,acd->bdac', t34, X, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t37[...] = 0
+    M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t30 = (1/n_batch) * X
+    t31 = ((G.reshape((n_batch, L, d_V, 1)) * t30.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = M_2.permute(3, 2, 0, 1)
+    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t34 = t33.view((d_V, d_V, d_V, d_V))
+    t35 = G.transpose(-1, -2)
+    t36 = (1/n_batch) * t35
+    t37 = M_2.permute(2, 3, 0, 1)
+    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t39[...] = 0
     return H
 
 
@@ -5985,21 +6935,30 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t26 = (t25.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = G.transpose(-1, -2)
-    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t25, M_2, X, t25, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t22, t24, t27, 0.0,)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = t29 * t22
+    t31 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t32 = (t31.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t34 = (n_batch**(-2)) * (t33 * t30.permute(0, 2, 3, 1)).sum()
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = G.transpose(-1, -2)
+    t37 = (t36.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t36.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t22 * t37
+    t39 = (n_batch**(-2)) * (t33 * t38.permute(0, 2, 3, 1)).sum()
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return (t28, t35, t40, 0.0,)
 
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -6035,13 +6994,14 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t23 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t24 = oe.contract('abc,acb->bac', t22, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * t1
+    t24 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t25 = (X * t23.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -6076,10 +7036,12 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t22 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/n_batch) * oe.contract('ab,abcc->', t22, M_3)
 
 
 def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
@@ -6115,13 +7077,14 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t23 = (1/n_batch) * t1
+    t24 = M_3.permute(2, 3, 0, 1)
+    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -6156,12 +7119,16 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t22 * t21
+    t24 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t26 = (t25.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -6180,25 +7147,26 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = t14 - Y
-    t16 = (1/L) * t15
-    G = t16
-    t17 = (1/n_batch) * X
-    t18 = oe.contract('abc,abd->cdab', t17, G, optimize=[(0, 1)])
-    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t10 * A14
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = (1/n_batch) * X
+    t19 = ((G.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6216,9 +7184,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6231,9 +7197,16 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t14 = t13 - Y
     t15 = (1/L) * t14
     G = t15
-    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t17
+    t20 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t21 = (t20.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t22 = (t21.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t23 = (n_batch**(-2)) * (t22 * t19.permute(0, 2, 3, 1)).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -6283,13 +7256,14 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t16
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t19 = (1/n_batch) * t16
+    t20 = M_2.permute(2, 3, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6320,12 +7294,17 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (t18.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t22 = (t21.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t24 = (n_batch**(-2)) * (t23 * t20.permute(0, 2, 3, 1)).sum()
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -6363,74 +7342,80 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
-    t17 = W_V.transpose(-1, -2)
-    t18 = (1/(L*n_batch)) * X
-    t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
-    F = t12
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t10 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = t17 @ t2
-    t27 = G @ t26
-    t28 = t27 - (A * t27).sum(-1, keepdim=True)
-    t29 = A * t28
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*n_batch)) * X
+    t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
+    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t24 = ((t23 @ t22)).permute(3, 2, 0, 1)
+    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    F = t13
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t11 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = t18 @ t2
+    t32 = G @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t29, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    d2A = ((t8.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
-    t30 = (1/n_batch) * t2
-    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
-    t33 = t19.reshape(*t19.shape[:2], -1)
-    t34 = t31.reshape(*t31.shape[:2], -1)
-    t35 = torch.cat([t33, t34], dim=-1)
-    t36 = t20.reshape(*t20.shape[:2], -1)
-    t37 = t32.reshape(*t32.shape[:2], -1)
-    t38 = torch.cat([t36, t37], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
-    t39 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t40 = t39.view((d_V, d_V, d_V, d_V))
-    t41 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t10, dA16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = oe.contract('abc,abd->cdab', t18, M_1, optimize=[(0, 1)])
-    t43 = (1/n_batch) * X
-    t44 = oe.contract('abc,abd->cdab', t43, G, optimize=[(0, 1)])
-    t45 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t40[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t47 = t46.view((d_V, d_V, d_V, d_V))
-    t48 = G.transpose(-1, -2)
-    t49 = (1/n_batch) * t48
-    t50 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t51 = oe.contract('abc,acd->bdac', t49, X, optimize=[(0, 1)])
-    t52 = M_1.transpose(-1, -2)
-    t53 = (1/(L*n_batch)) * t52
-    t54 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abc,acd->bdac', t53, X, optimize=[(0, 1)])
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t47 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t57 = t56.view((d_V, d_V, d_V, d_V))
-    t58 = oe.contract('abc,abcd->cdab', t10, dA16, optimize=[(0, 1)])
-    t59 = oe.contract('abc,acd->bdac', t53, M_1, optimize=[(0, 1)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t36 = (1/n_batch) * t2
+    t37 = M_3.permute(2, 3, 0, 1)
+    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t39 = t24.reshape(*t24.shape[:2], -1)
+    t40 = t37.reshape(*t37.shape[:2], -1)
+    t41 = torch.cat([t39, t40], dim=-1)
+    t42 = t25.reshape(*t25.shape[:2], -1)
+    t43 = t38.reshape(*t38.shape[:2], -1)
+    t44 = torch.cat([t42, t43], dim=-1)
+    t1[...] = oe.contract('abg,efg->eafb', t41, t44, optimize=[(0, 1)])
+    t45 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t46 = t45.view((d_V, d_V, d_V, d_V))
+    t47 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t48 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t49 = (1/n_batch) * X
+    t50 = ((G.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t51 = M_2.permute(3, 2, 0, 1)
+    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t46 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t53 = t52.view((d_V, d_V, d_V, d_V))
+    t54 = G.transpose(-1, -2)
+    t55 = (1/n_batch) * t54
+    t56 = M_2.permute(2, 3, 0, 1)
+    t57 = ((X.reshape((n_batch, L, d_V, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t58 = M_1.transpose(-1, -2)
+    t59 = (1/(L*n_batch)) * t58
+    t60 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t61 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t53[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t53 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t63 = t62.view((d_V, d_V, d_V, d_V))
+    t64 = ((dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t65 = ((M_1.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
     return H
 
 
@@ -6508,9 +7493,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6520,34 +7503,90 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t21 = (t20.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    t23 = (t22.permute(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.permute(0, 2, 3, 1) @ dA)
+    t26 = (t19 @ t25.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(0, 2, 3, 1) @ dA)
+    t28 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     F = t10
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t15 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    t31 = torch.exp(F - F.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t8 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t15 @ t0
+    t37 = G @ t36
+    t38 = t37 - (A * t37).sum(-1, keepdim=True)
+    t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = G.transpose(-1, -2)
-    t30 = M_1.transpose(-1, -2)
-    t31 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t29, M_2, X, t29, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t29, M_2, X, t30, t8, dA14, t15, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t30, t8, dA14, t15, M_2, X, t30, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t30, t8, dA14, M_1, t30, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return (t26, t28, t32, t34,)
+    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = t18 * t40
+    t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t43 = (t42.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t44 = (t43.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t45 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = t18 * t45
+    t47 = (t45.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t49 = (t48.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t50 = (1/(L**2*n_batch**2)) * (t30 * t24.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t44 * t41.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t49 * t46.permute(0, 2, 3, 1)).sum()
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    t52 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t53 = (t52 @ dA)
+    t54 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t55 = t54 * t18
+    t56 = (t53.reshape((n_batch, L*d_V, L)) @ t18.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t57 = (t56.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t53.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t58 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t59 = (t17.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t60 = (t59.permute(0, 2, 3, 1) @ t16)
+    t61 = (t60.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t62 = (t61.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t63 = (t62.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t64 = (t63.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t65 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t66 = t65 * t18
+    t67 = (t45.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t68 = (t67.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t69 = (t68.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t70 = (1/(L**2*n_batch**2)) * (t57 * t55.permute(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t64 * t58.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t69 * t66.permute(0, 2, 3, 1)).sum()
+    t71 = torch.sqrt(torch.clamp(t70, min=0.0))
+    t72 = G.transpose(-1, -2)
+    t73 = (t72.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t72.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t74 = t18 * t73
+    t75 = M_1.transpose(-1, -2)
+    t76 = (t75.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t77 = (t76.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t78 = (t19 @ t16.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t79 = (t78.permute(0, 2, 3, 1) @ dA)
+    t80 = (t77.reshape((n_batch, n_batch, L, L, L, 1)) * t18.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t81 = (t80.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t82 = (t81.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t79.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t83 = (t75.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t75.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t84 = t18 * t83
+    t85 = (t79.reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t86 = (t85.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t79.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t87 = (n_batch**(-2)) * (t69 * t74.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t82 * t72.permute(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t86 * t84.permute(0, 2, 3, 1)).sum()
+    t88 = torch.sqrt(torch.clamp(t87, min=0.0))
+    t89 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t90 = t89 * t83
+    t91 = (1/(L**2*n_batch**2)) * (t90 * t54).sum()
+    t92 = torch.sqrt(torch.clamp(t91, min=0.0))
+    return (t51, t71, t88, t92,)
 
 
 def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -6566,43 +7605,49 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    F = t11
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t16 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = ((t22.reshape((n_batch, L, d_V, 1, d_V)) @ t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t24 = (X * t18).permute(2, 0, 1)
+    F = t12
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t10 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = t17 @ t1
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdim=True)
+    t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/n_batch) * t1
-    t30 = oe.contract('abcc->cab', M_3, optimize=[(0,)])
-    t31 = oe.contract('abc,acb->bac', t29, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t35 = (1/n_batch) * t1
+    t36 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t37 = (X * t35.permute(0, 2, 1)).permute(2, 0, 1)
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -6620,36 +7665,45 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = W_V.transpose(-1, -2)
-    F = t10
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t15 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t18 = (M_2 @ M_2.permute(0, 1, 3, 2))
+    t19 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t19.reshape((L*d_V*n_batch, d_V)) @ t16).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20 @ t18)
+    t22 = (t21.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
+    F = t11
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t9 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = t16 @ t0
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    d2A = ((t6.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t33 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t17).sum() + (1/n_batch) * oe.contract('ab,abcc->', t33, M_3)
 
 
 def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -6668,48 +7722,54 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
-    F = t11
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t9 * A21
-    t23 = t22 - Y
-    t24 = (1/L) * t23
-    G = t24
-    t25 = t16 @ t1
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21)).permute(3, 2, 0, 1)
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    F = t12
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t10 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = t17 @ t1
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdim=True)
+    t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t28, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
-    t29 = (1/n_batch) * t1
-    t30 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
-    t32 = t18.reshape(*t18.shape[:2], -1)
-    t33 = t30.reshape(*t30.shape[:2], -1)
-    t34 = torch.cat([t32, t33], dim=-1)
-    t35 = t19.reshape(*t19.shape[:2], -1)
-    t36 = t31.reshape(*t31.shape[:2], -1)
-    t37 = torch.cat([t35, t36], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t35 = (1/n_batch) * t1
+    t36 = M_3.permute(2, 3, 0, 1)
+    t37 = ((X.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = t23.reshape(*t23.shape[:2], -1)
+    t39 = t36.reshape(*t36.shape[:2], -1)
+    t40 = torch.cat([t38, t39], dim=-1)
+    t41 = t24.reshape(*t24.shape[:2], -1)
+    t42 = t37.reshape(*t37.shape[:2], -1)
+    t43 = torch.cat([t41, t42], dim=-1)
+    t0[...] = oe.contract('abg,efg->eafb', t40, t43, optimize=[(0, 1)])
     return out
 
 
@@ -6727,9 +7787,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6739,26 +7797,49 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t21 = (t20.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    t23 = (t22.permute(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.permute(0, 2, 3, 1) @ dA)
+    t26 = (t19 @ t25.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(0, 2, 3, 1) @ dA)
+    t28 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     F = t10
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t15 @ t0
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    t31 = torch.exp(F - F.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t8 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t15 @ t0
+    t37 = G @ t36
+    t38 = t37 - (A * t37).sum(-1, keepdim=True)
+    t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t24, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = t18 * t40
+    t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t43 = (t42.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t44 = (t43.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t45 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = t18 * t45
+    t47 = (t45.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t49 = (t48.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t50 = (1/(L**2*n_batch**2)) * (t30 * t24.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t44 * t41.permute(2, 0, 1, 3)).sum() + (n_batch**(-2)) * (t49 * t46.permute(0, 2, 3, 1)).sum()
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    return t51
 
 
 def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -6777,34 +7858,37 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
-    t16 = (1/(L*n_batch)) * X
-    t17 = oe.contract('abcd,ce,abe,abef->dfab', M_2, W_V, t9, dA15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abc,abd->cdab', t16, M_1, optimize=[(0, 1)])
-    F = t11
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t9 * A20
-    t22 = t21 - Y
-    t23 = (1/L) * t22
-    G = t23
-    t24 = (1/n_batch) * X
-    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    F = t12
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t10 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/n_batch) * X
+    t28 = ((G.reshape((n_batch, L, d_V, 1)) * t27.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = M_2.permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -6822,9 +7906,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6834,17 +7916,39 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t18 = (t17 @ dA)
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t18.reshape((n_batch, L*d_V, L)) @ t19.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t18.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t10
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t8 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t8 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t30 = (t15.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t31 = (t30.permute(0, 2, 3, 1) @ t16)
+    t32 = (t31.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t33 = (t32.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t19.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t34 = (t33.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t36 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t37 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t37 * t19
+    t39 = (t36.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t40 = (t39.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t41 = (t40.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t42 = (1/(L**2*n_batch**2)) * (t23 * t21.permute(2, 0, 1, 3)).sum() + (2/(L*n_batch**2)) * (t35 * t29.permute(0, 2, 3, 1)).sum() + (n_batch**(-2)) * (t41 * t38.permute(0, 2, 3, 1)).sum()
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return t43
 
 
 def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -6871,10 +7975,10 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t17 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -6901,8 +8005,10 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t15 = oe.contract('abcc,abc->ab', dA, t9)
+    return (1/(L*n_batch)) * (t15 * t14).sum()
 
 
 def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -6934,24 +8040,27 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
-    t18 = (1/n_batch) * t16
-    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t19 = (1/n_batch) * t16
+    t20 = M_2.permute(2, 3, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
-    t26 = W_V.transpose(-1, -2)
-    t27 = (1/(L*n_batch)) * t21
-    t28 = oe.contract('abc,abcd,de,abef->cfab', t2, dA25, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = oe.contract('abc,acd->bdac', t27, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t27 = W_V.transpose(-1, -2)
+    t28 = (1/(L*n_batch)) * t22
+    t29 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t30 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t31 = ((t30 @ t29.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -6982,19 +8091,37 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
-    t17 = M_1.transpose(-1, -2)
-    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = t19 * t17
+    t21 = (t18.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t22 = (t21.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t23 = (t22.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = oe.contract('abc,cd->abcd', A19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A19, A19, optimize=[(0, 1)])
-    t22 = W_V.transpose(-1, -2)
-    t23 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t15, M_2, X, t17, t1, dA21, t22, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t17, t1, dA21, t22, M_2, X, t17, t1, dA21, t22, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t29 = W_V.transpose(-1, -2)
+    t30 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t31 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V))
+    t33 = (t31.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t32 @ t30.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t35 = (t34.permute(0, 2, 3, 1) @ dA)
+    t36 = (t33.reshape((n_batch, n_batch, L, L, L, 1)) * t19.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t37 = (t36.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t38 = (t37.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t35.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t39 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = t19 * t39
+    t41 = (t35.reshape((n_batch, L*d_V, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t42 = (t41.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t35.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t43 = (n_batch**(-2)) * (t23 * t20.permute(0, 2, 3, 1)).sum() + (2/(L*n_batch**2)) * (t38 * t15.permute(0, 2, 1)).sum() + (1/(L**2*n_batch**2)) * (t42 * t40.permute(0, 2, 3, 1)).sum()
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return t44
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -7021,10 +8148,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abcd->cdab', t10, dA, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
@@ -7051,10 +8178,15 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
@@ -7071,9 +8203,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7083,31 +8213,54 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t21 = (t20.reshape((n_batch, L**2, d_V)) @ t19.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    t23 = (t22.permute(0, 1, 3, 2) @ dA)
+    t24 = t18 * t18
+    t25 = (t20.permute(0, 2, 3, 1) @ dA)
+    t26 = (t19 @ t25.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t27 = (t26.permute(0, 2, 3, 1) @ dA)
+    t28 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t29 = (t28.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t31 = (1/(L**2*n_batch**2)) * (t30 * t24.permute(0, 2, 3, 1)).sum()
     F = t10
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t8 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = t15 @ t0
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
+    t32 = torch.exp(F - F.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = t8 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = t15 @ t0
+    t38 = G @ t37
+    t39 = t38 - (A * t38).sum(-1, keepdim=True)
+    t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = t16 + t26 + t27
-    t29 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return (t29, t30, t31,)
+    d2A = ((t6.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t41 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t42 = t18 * t41
+    t43 = (t41.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t44 = (t43.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t45 = (t44.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t46 = (n_batch**(-2)) * (t45 * t42.permute(0, 2, 3, 1)).sum()
+    t47 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t48 = t18 * t47
+    t49 = (t47.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t50 = (t49.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t51 = (t50.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t52 = (2/(L*n_batch**2)) * (t51 * t48.permute(2, 0, 1, 3)).sum()
+    t53 = t31 + t46 + t52
+    t54 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t55 = torch.sqrt(torch.clamp(t46, min=0.0))
+    t56 = torch.sqrt(torch.clamp(t53, min=0.0))
+    return (t54, t55, t56,)
 
 
 def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
@@ -7124,9 +8277,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7136,22 +8287,44 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t18 = (t17 @ dA)
+    t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = t20 * t19
+    t22 = (t18.reshape((n_batch, L*d_V, L)) @ t19.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t18.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t24 = (1/(L**2*n_batch**2)) * (t23 * t21.permute(2, 0, 1, 3)).sum()
     F = t10
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t8 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = t15 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, t25, t26,)
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t8 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t31 * t19
+    t33 = (t30.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t33.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t36 = (n_batch**(-2)) * (t35 * t32.permute(0, 2, 3, 1)).sum()
+    t37 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = (t15.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t39 = (t38.permute(0, 2, 3, 1) @ t16)
+    t40 = (t39.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t41 = (t40.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t19.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t42 = (t41.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t43 = (t42.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t44 = (2/(L*n_batch**2)) * (t43 * t37.permute(0, 2, 3, 1)).sum()
+    t45 = t24 + t36 + t44
+    t46 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t47 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t48 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return (t46, t47, t48,)
 
 
 def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
@@ -7176,29 +8349,49 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA16, X, optimize=[(0, 1), (0, 1)])
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t7, t9, dA, t14, M_2, X, t7, t9, dA, t14, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
+    t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t19 @ t17.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA16)
+    t23 = t20 * t18
+    t24 = (t22.reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t25 = (t24.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t22.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t26 = (1/(L**2*n_batch**2)) * (t25 * t23.permute(0, 2, 3, 1)).sum()
     F = t10
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t9 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = G.transpose(-1, -2)
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t7, t9, dA, t14, M_2, X, t23, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t26 = t17 + t24 + t25
-    t27 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, t28, t29,)
+    t27 = torch.exp(F - F.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = t9 * A28
+    t30 = t29 - Y
+    t31 = (1/L) * t30
+    G = t31
+    t32 = G.transpose(-1, -2)
+    t33 = (t32.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t32.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = t20 * t33
+    t36 = (t34.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA16.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t37 = (t36.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t38 = (t37.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA16.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t39 = (n_batch**(-2)) * (t38 * t35.permute(0, 2, 3, 1)).sum()
+    t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = (t19.permute(0, 2, 1) @ dA16.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t42 = (t41.permute(0, 2, 3, 1) @ t17.permute(0, 1, 3, 2))
+    t43 = (t42.reshape((L**2*n_batch, d_V)) @ t32.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t46 = (t45.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA16.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t47 = (2/(L*n_batch**2)) * (t46 * t40.permute(0, 2, 3, 1)).sum()
+    t48 = t26 + t39 + t47
+    t49 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t50 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t51 = torch.sqrt(torch.clamp(t48, min=0.0))
+    return (t49, t50, t51,)
 
 
 def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
@@ -7223,12 +8416,17 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = t14 + 0.0 + 0.0
-    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16, 0.0, t17,)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t18 = t17 * t15
+    t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
+    t20 = t19 + 0.0 + 0.0
+    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t21, 0.0, t22,)
 
 
 VARIANTS = {

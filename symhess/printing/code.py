@@ -58,6 +58,7 @@ class Routine:
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
         self.env, self.batch_size = representative_sizes(symbols, sizes)
+        self.env_key = tuple(sorted(self.env.items(), key=lambda kv: kv[0].name))
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
         for n in variables:
             self.is_batched[n] = n in self.batched_vars
@@ -96,14 +97,14 @@ class Routine:
 
     def size(self, d) -> str:
         """A dimension expression as Python code (sizes are bound at the function's top)."""
-        return pycode(sp.sympify(d))
+        return _pycode(sp.sympify(d))
 
     def shape(self, dims) -> str:
         parts = [self.size(d) for d in dims]
         return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
     def coef(self, c) -> str:
-        return pycode(sp.sympify(c))
+        return _pycode(sp.sympify(c))
 
     # -- matrix view -----------------------------------------------------------------------
     def mat(self, n) -> str:
@@ -205,7 +206,7 @@ class Routine:
         return self.T(name) if transposed else name
 
     def _rep(self, d):
-        return _rep_size(sp.sympify(d), tuple(sorted(self.env.items(), key=lambda kv: kv[0].name)))
+        return _rep_size(sp.sympify(d), self.env_key)
 
     # -- index view ----------------------------------------------------------------------
     def operand(self, factor, term, side_labels):
@@ -240,11 +241,10 @@ class Routine:
 
         ``summed``: atoms summed over that may sit on no operand (a trace of I gives n).
         """
-        ops, labs = [], []
-        for f in term.factors:
-            code, labels = self.operand(f, term, ("batch", f.side))
-            ops.append(code)
-            labs.append(labels)
+        if search:      # a pairing: inline one-term intermediates where that is cheaper
+            term, ops, labs = self._cheaper_operands(term, outputs)
+        else:
+            ops, labs = self._operands(term)
         present = {a for ls in labs for a in ls}
         missing = [a for a in dict.fromkeys(outputs) if a not in present]
         if missing:   # an index no operand carries (a broadcast): an explicit ones operand
@@ -265,6 +265,91 @@ class Routine:
         code = self.split_contract(ops, labs, out) if fold_coef else None
         return coef, code or self.contract(ops, labs, out, search), (batched and keep_batch)
 
+    def _operands(self, term, inline=False):
+        """(codes, labels) of a term's einsum operands; with ``inline``, a one-term compact
+        intermediate (M_2 = Xᵀ ∂A X per token) enters as its own operands, so the path
+        search may contract through it (a Frobenius pairing then works with L×L Gram
+        matrices instead of the per-token d×d moments)."""
+        ops, labs = [], []
+        for f in term.factors:
+            sub = self._inlined(f, term) if inline else None
+            if sub is not None:
+                c, s_ops, s_labs = sub
+                term = term.copy(coef=term.coef * c)
+                ops += s_ops
+                labs += s_labs
+                continue
+            code, labels = self.operand(f, term, ("batch", f.side))
+            ops.append(code)
+            labs.append(labels)
+        return (term, ops, labs) if inline else (ops, labs)
+
+    def _inlined(self, f, term):
+        """(coef, codes, labels) of a one-term intermediate's defining network used at the
+        factor ``f``: its compact axes become the caller's atoms, its inner indices fresh
+        labels, its batch index the caller's copy; None where that does not apply."""
+        ref = f.ref
+        if not (isinstance(ref, tuple) and ref[0] == "inter"):
+            return None
+        inter = self.lw.intermediates.get(ref[1])
+        if inter is None or len(inter.terms) != 1:
+            return None
+        outer = [self.lw.resolve(term, [a]) for a in f.labels]
+        if any(len(o) != 1 for o in outer) or len({o[0] for o in outer}) != len(outer):
+            return None
+        inner, outs = inter.terms[0], inter.outputs[0]
+        ren = dict(zip(outs, (o[0] for o in outer)))
+        present = set()
+        ops, labs = [], []
+        for g in inner.factors:
+            code, glabs = self.operand(g, inner, ("batch", f.side))
+            new = []
+            for a in glabs:
+                if isinstance(a, tuple):
+                    new.append(("batch", f.side))
+                    continue
+                present.add(a)
+                if a not in ren:
+                    ren[a] = self.lw.labels.new(self.lw.labels.size[a])
+                new.append(ren[a])
+            ops.append(code)
+            labs.append(new)
+        if not set(outs) <= present:
+            return None                      # a broadcast axis: keep the computed tensor
+        return sp.sympify(inner.coef), ops, labs
+
+    def _cheaper_operands(self, term, outputs):
+        """The term's operands as they are or with one-term intermediates inlined, whichever
+        contracts in fewer flops at the representative sizes (only the chosen one's
+        statements stay in the routine)."""
+        snap = self._snapshot()
+        flat = self._operands(term, inline=True)
+        self._restore(snap)
+        ops, labs = self._operands(term)
+        if len(flat[1]) == len(ops):
+            return term, ops, labs
+        costs = []
+        for ls in (labs, flat[2]):
+            shapes = tuple(tuple(self._label_size(a) for a in x) for x in ls)
+            costs.append(_path(_spec(ls, list(dict.fromkeys(outputs))), shapes, True)[2])
+        if costs[1] >= costs[0]:
+            return term, ops, labs
+        self._restore(snap)
+        return self._operands(term, inline=True)
+
+    def _snapshot(self):
+        return (len(self.lines), dict(self.rhs), set(self.taken), self.count,
+                dict(self.is_batched), dict(self.memo), dict(self.inter), dict(self.products),
+                dict(self.transposed))
+
+    def _restore(self, snap):
+        """Forget every statement and name made since ``_snapshot``."""
+        n, rhs, taken, count, is_batched, memo, inter, products, transposed = snap
+        del self.lines[n:]
+        self.rhs, self.taken, self.count = dict(rhs), set(taken), count
+        self.is_batched, self.memo, self.inter = dict(is_batched), dict(memo), dict(inter)
+        self.products, self.transposed = dict(products), dict(transposed)
+
     def _fold(self, coef, ops, labs):
         """Scale the smallest operand instead of the (block-sized) result: one pass fewer."""
         k = min(range(len(ops)), key=lambda i: (_prod(self._label_size(a) for a in labs[i]), i))
@@ -273,33 +358,96 @@ class Routine:
         return ops
 
     def contract(self, ops, labs, out, search=False):
-        """An opt_einsum call with the path chosen now for the representative sizes.
+        """A contraction with its order chosen now for the representative sizes, printed as
+        one statement per pairwise step (a permute/reshape and a batched matmul each).
 
-        The operand order decides the memory layout of the last pairwise product (its
-        left operand's free indices come first); of the given and the reversed order the
-        one whose result already lies in the output's order (or shares the longest
-        innermost run with it) is kept, so writing a block needs no strided transpose.
+        Printing the steps instead of one ``oe.contract`` call removes its per-call parsing
+        (≈ 60–100 µs, more than the arithmetic of most steps here) and lets identical steps
+        of different networks share one statement (the routine's common-subexpression
+        table), e.g. the Gram matrices of the pairings of a Frobenius norm.
         """
         if not ops:                   # a pure product of deltas (⟨I, I⟩): the coefficient
             return "1.0"
-        best = None
-        for order in ([list(range(len(ops)))] +
-                      ([list(range(len(ops)))[::-1]] if len(ops) > 2 else [])):
-            o_labs = [labs[i] for i in order]
-            symbols = {}
-            for lab in [lab for ls in o_labs for lab in ls] + list(out):
-                if lab not in symbols:
-                    symbols[lab] = oe.get_symbol(len(symbols))
-            spec = ",".join("".join(symbols[a] for a in ls) for ls in o_labs)
-            spec += "->" + "".join(symbols[a] for a in out)
-            if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
-                return ops[0]
-            shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in o_labs)
-            path, score, cost = _path(spec, shapes, search)
-            if best is None or (score > best[0] and cost <= 1.25 * best[4]):
-                best = (score, spec, [ops[i] for i in order], path, cost)
-        _, spec, o_ops, path, _ = best
-        return f"oe.contract({spec!r}, {', '.join(o_ops)}, optimize={path!r})"
+        out = list(out)
+        spec = _spec(labs, out)
+        if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
+            return ops[0]
+        shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
+        path, _, _ = _path(spec, shapes, search)
+        ops, labs = list(ops), [list(ls) for ls in labs]
+        for k, pos in enumerate(path):
+            taken = [(ops.pop(i), labs.pop(i)) for i in sorted(pos, reverse=True)]
+            keep = set(out).union(*map(set, labs))
+            last = k == len(path) - 1
+            code, lab = self._step(taken, keep, out if last else None)
+            if last:
+                return self._arrange_out(code, lab, out)
+            ops.append(self.emit(code, bool(lab) and isinstance(lab[0], tuple)))
+            labs.append(lab)
+        raise AssertionError("a contraction path ends with its last step")
+
+    def _step(self, taken, keep, out):
+        """(code, labels) of one pairwise (or single-operand) step; ``out``: the routine's
+        output order at the last step (the product's orientation is chosen to match it)."""
+        if any(len(set(ls)) < len(ls) for _, ls in taken):     # a diagonal: let einsum do it
+            labs = [ls for _, ls in taken]
+            res = [a for a in dict.fromkeys(a for ls in labs for a in ls) if a in keep]
+            args = ", ".join(c for c, _ in taken)
+            return f"oe.contract({_spec(labs, res)!r}, {args})", res
+        if len(taken) == 1:
+            return self._sum_out(*taken[0], keep)
+        (x, lx), (y, ly) = taken
+        x, lx = self._sum_out(x, lx, keep | set(ly))
+        y, ly = self._sum_out(y, ly, keep | set(lx))
+        both = [a for a in lx if a in ly]
+        bat = [a for a in both if a in keep]
+        con = [a for a in both if a not in keep]
+        if out is not None and not bat and _suffix([a for a in ly if a not in lx], out) > \
+                _suffix([a for a in lx if a not in ly], out):
+            (x, lx), (y, ly) = (y, ly), (x, lx)          # the result then ends as ``out`` does
+        m = [a for a in lx if a not in ly]
+        n = [a for a in ly if a not in lx]
+        if not m and not n:
+            if not con:                                   # a Hadamard product
+                return f"{x} * {self._permuted(y, ly, lx)}", lx
+            if not bat:                                   # a full inner product
+                return f"({x} * {self._permuted(y, ly, lx)}).sum()", []
+        xm = self._grouped(x, lx, bat, [m, con])
+        ym = self._grouped(y, ly, bat, [con, n])
+        code = f"({xm} @ {ym})" if con else f"({xm} * {ym})"     # no sum: a broadcast product
+        if len(m) != 1 or len(n) != 1:
+            code = self.fmt("reshape", code, self.shape([self._dim(a) for a in bat + m + n]))
+        return code, bat + m + n
+
+    def _dim(self, lab):
+        return N_BATCH if isinstance(lab, tuple) else self.lw.labels.size[lab]
+
+    def _sum_out(self, x, lx, keep):
+        """Sum the axes of ``x`` no later step needs."""
+        gone = [i for i, a in enumerate(lx) if a not in keep]
+        if not gone:
+            return x, lx
+        axes = ", ".join(map(str, gone)) + ("," if len(gone) == 1 else "")
+        return f"{x}.sum(({axes}))", [a for a in lx if a in keep]
+
+    def _permuted(self, x, lx, order):
+        if list(lx) == list(order):
+            return x
+        return self.fmt("permute", x, ", ".join(str(lx.index(a)) for a in order))
+
+    def _grouped(self, x, lx, bat, groups):
+        """``x`` permuted to (bat…, group₀…, group₁…) and each group merged into one axis."""
+        order = bat + groups[0] + groups[1]
+        x = self._permuted(x, lx, order)
+        if all(len(g) == 1 for g in groups):
+            return x
+        dims = [self._dim(a) for a in bat] + [_prod(self._dim(a) for a in g) for g in groups]
+        return self.fmt("reshape", x, self.shape(dims))
+
+    def _arrange_out(self, code, lab, out):
+        if lab == list(out):
+            return code
+        return self._permuted(code if code.isidentifier() else f"({code})", lab, list(out))
 
     def split_contract(self, ops, labs, out):
         """A block-sized product whose last GEMM writes straight in the output's layout.
@@ -566,6 +714,12 @@ def _prod(xs):
     for x in xs:
         out *= x
     return out
+
+
+@lru_cache(maxsize=None)
+def _pycode(e):
+    """Python code of a sympy expression (cached: sizes recur in every statement)."""
+    return pycode(e)
 
 
 @lru_cache(maxsize=None)

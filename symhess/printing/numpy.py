@@ -20,6 +20,7 @@ NUMPY = {
     "where": "np.where({0}, {1}, {2})",
     "view": "np.reshape({0}, {1}, copy=False)",
     "reshape": "np.reshape({0}, {1})",
+    "permute": "{0}.transpose({1})",
     "flatten_mats": "np.reshape({0}, {0}.shape[:-2] + ({1}, 1))",
     "unflatten_mats": "np.reshape({0}, {0}.shape[:-2] + ({1}, {2}))",
     "diag_part": "np.diagonal({0}, 0, -2, -1)[..., None]",

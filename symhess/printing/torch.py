@@ -19,6 +19,7 @@ TORCH = {
     "where": "torch.where({0}, {1}, {2})",
     "view": "{0}.view({1})",
     "reshape": "{0}.reshape({1})",
+    "permute": "{0}.permute({1})",
     "flatten_mats": "{0}.reshape(*{0}.shape[:-2], {1}, 1)",
     "unflatten_mats": "{0}.reshape(*{0}.shape[:-2], {1}, {2})",
     "diag_part": "torch.diagonal({0}, 0, -2, -1)[..., None]",
