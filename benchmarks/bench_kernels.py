@@ -110,6 +110,7 @@ def hvp(L=128, d_V=256, d_K=64, repeat=10, device="cpu"):
 def frobenius(L=16, d=64, repeat=5, device="cpu"):
     v = values(L, d, d)
     names = ("W_Q", "W_K", "W_V")
+    device = torch.device(device)
     on_cpu = device.type == "cpu"
     label = {"numpy": "numpy" if on_cpu else "numpy (cpu)",
              "torch": "torch" if on_cpu else f"torch ({device_label(device)})"}

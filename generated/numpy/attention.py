@@ -101,7 +101,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -113,13 +113,13 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t16 = (t15 @ t14)
     t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t17, (d_K**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
-    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = ((t15 @ t14)).transpose(3, 2, 0, 1)
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t21 = ((t15 @ t14)).transpose(3, 2, 0, 1)
+    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
     t26 = A @ X
@@ -128,7 +128,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
     t30 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t25[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = np.swapaxes(W_Q, -1, -2)
@@ -138,19 +138,19 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = ((t36.transpose(1, 2, 0, 3) @ t35.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t38 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
     t39 = ((np.reshape(t38, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t32[...] = oe.contract('abcd,efcd->aefb', t37, t39, optimize=[(0, 1)])
+    t32[...] = (np.reshape((np.reshape(t37, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    t42 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t38, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t43 = ((t35.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t41[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t42 = ((t35.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t43 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t38, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t41[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_V), copy=False)
     t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
     t47 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
     t49 = ((np.reshape(t48, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t45[...] = oe.contract('abcd,efcd->aefb', t47, t49, optimize=[(0, 1)])
+    t45[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
     t52 = np.swapaxes(M_1, -1, -2)
@@ -158,12 +158,12 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t54 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t55 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t51[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t51[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
-    t59 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t60 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t59 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t60 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t58[...] = (np.reshape((np.reshape(t59, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t61[...] = 0
     t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
@@ -171,8 +171,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t64 = t52 @ M_1
     t65 = np.ones((d_V,), dtype=X.dtype)
     t66 = (2/(L*d_V*n_batch)) * t65
-    t67 = t64.sum((0,))
-    t63 += oe.contract('ab,c->acb', t67, t66, optimize=[(0, 1)])
+    t63 += (np.reshape((np.reshape(t66, (d_V, 1)) * np.reshape(t64.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -238,7 +237,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -334,19 +333,19 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t15 = (t14 @ t13)
-    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t17 = (X * X).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t13 = (X * X).transpose(2, 0, 1)
+    t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t16 = (t15 @ t14)
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -366,7 +365,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -398,7 +397,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -410,7 +409,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = (t14 @ t13)
     t16 = (np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_K**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -430,7 +429,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -469,19 +468,19 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t14 = ((np.reshape(t13.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t17 = ((t16 @ t15)).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t17, optimize=[(0, 1)])
+    t13 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t15 = ((t14 @ t13)).transpose(3, 2, 0, 1)
+    t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t17 = ((np.reshape(t16.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -501,7 +500,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -540,7 +539,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -550,7 +549,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t13 = (np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -570,7 +569,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -607,19 +606,19 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = t15 * t14.transpose(2, 0, 1)
-    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t18, optimize=[(0, 1)])
+    t14 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = t17 * t16.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t15, (d_V, L*n_batch)) @ np.reshape(t18.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -640,7 +639,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -673,7 +672,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -685,7 +684,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = ((t15.transpose(1, 2, 0, 3) @ t14.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
     t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -706,7 +705,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -746,19 +745,19 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t14, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = ((t17.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t14 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t15 = ((t14.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -779,7 +778,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -819,7 +818,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -829,7 +828,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_K))
     t15 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -850,7 +849,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -890,8 +889,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).transpose(1, 0)
     return out
 
 
@@ -938,7 +936,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -946,7 +944,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -970,7 +968,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1008,15 +1006,15 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t15 = ((np.reshape(t14.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t16 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t14 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1040,7 +1038,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1080,8 +1078,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -1139,7 +1136,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1147,69 +1144,67 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t22, (d_K**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t28 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t26 = np.reshape((t20 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t29 = np.einsum('abcb->abc', t25)
     t30 = t17 @ X
     t31 = t3 @ t30
     t32 = np.ones((d_K,), dtype=X.dtype)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = t31.sum((0,))
-    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 += oe.contract('ab,c->acb', t34, t33, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t25[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t29 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t31.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
-    t37 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    t36 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = np.reshape((t37 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t39 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t40 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t36[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.swapaxes(W_Q, -1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t46 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t44.transpose(1, 0)), (n_batch, L, d_K))
-    t47 = ((np.reshape(t46, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t48 = np.einsum('abcb->abc', t42)
-    t49 = np.swapaxes(t31, -1, -2)
-    t50 = t49.sum((0,))
-    t42[...] = oe.contract('abcd,efcd->aefb', t45, t47, optimize=[(0, 1)])
-    t48 += oe.contract('ab,c->acb', t50, t33, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t53 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t46, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t54 = M_3.transpose(2, 3, 0, 1)
-    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t58 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t57.transpose(1, 0)), (n_batch, L, d_K))
-    t59 = ((np.reshape(t58, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t60 = M_2.transpose(3, 2, 0, 1)
-    t56[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
-    t63 = np.swapaxes(G, -1, -2)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t66 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t62[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
-    t69 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t70 = M_2.transpose(2, 3, 0, 1)
-    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
+    t35[...] = (np.reshape((np.reshape(t38, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
+    t42 = np.swapaxes(W_Q, -1, -2)
+    t43 = (1/(d_K*n_batch)) * t42
+    t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t45 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t43.transpose(1, 0)), (n_batch, L, d_K))
+    t46 = ((np.reshape(t45, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t47 = np.einsum('abcb->abc', t41)
+    t48 = np.swapaxes(t31, -1, -2)
+    t41[...] = (np.reshape((np.reshape(t44, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t47 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t48.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
+    t51 = M_3.transpose(2, 3, 0, 1)
+    t52 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t45, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t50[...] = (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t56 = M_2.transpose(3, 2, 0, 1)
+    t57 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t55.transpose(1, 0)), (n_batch, L, d_K))
+    t58 = ((np.reshape(t57, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t54[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
+    t61 = np.swapaxes(G, -1, -2)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    t63 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t64 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t60[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
+    t67 = M_2.transpose(2, 3, 0, 1)
+    t68 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t66[...] = (np.reshape((np.reshape(t67, (d_V**2, L*n_batch)) @ np.reshape(t68.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t69[...] = 0
     return H
 
 
@@ -1302,7 +1297,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1330,7 +1325,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t41 = (n_batch**(-2)) * (t30.sum((0,)) * t30.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t35 * t33).sum() + (1/(d_K**2*n_batch**2)) * (t40 * t37.transpose(0, 2, 3, 1)).sum()
     t42 = np.sqrt(np.maximum(t41, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t43 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t44 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t45 = t44 * t20
@@ -1409,15 +1404,15 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
-    t20 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t19, (d_K, 1, d_V)))
-    t21 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t20.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t22 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t20 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t21 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t19, (d_K, 1, d_V)))
+    t22 = np.reshape((np.reshape(t21, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -1449,7 +1444,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1489,7 +1484,7 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1497,7 +1492,7 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t21, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -1529,7 +1524,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1575,22 +1570,21 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
-    t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t21 = ((np.reshape(t20.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t20 = np.reshape((t19 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t23 = np.einsum('abcb->abc', t0)
     t24 = t16 @ X
     t25 = t2 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = t25.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t23 += (np.reshape((np.reshape(t27, (d_K, 1)) * np.reshape(t25.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -1624,7 +1618,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t20 = (t19 @ X.transpose(0, 2, 1))
     t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -1662,7 +1656,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1674,9 +1668,9 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t16 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t15 = np.reshape((t14 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1696,7 +1690,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -1749,16 +1743,16 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = t22 * t21.transpose(2, 0, 1)
-    t24 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t21 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t24 = t23 * t22.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -1791,7 +1785,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1832,7 +1826,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1846,9 +1840,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t2 @ t26
     t28 = np.ones((d_K,), dtype=X.dtype)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = t27.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t23, optimize=[(0, 1)])
-    t24 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t24 += (np.reshape((np.reshape(t29, (d_K, 1)) * np.reshape(t27.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -1884,7 +1877,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(W_Q, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -1935,16 +1928,16 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t21, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t24 = M_3.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t21 = M_3.transpose(2, 3, 0, 1)
+    t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1977,7 +1970,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2012,7 +2005,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2024,10 +2017,10 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t18 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t16 = M_2.transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
+    t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2048,7 +2041,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -2116,14 +2109,14 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t16 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2151,7 +2144,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2192,15 +2185,15 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t17 = ((np.reshape(t16.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t18 = M_2.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t16 = M_2.transpose(2, 3, 0, 1)
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2228,7 +2221,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2282,7 +2275,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2306,7 +2299,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2314,124 +2307,121 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t29 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t30 = (np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t32 = np.reshape(t17, t17.shape[:2] + (-1,))
-    t33 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t34 = np.concatenate([t32, t33], axis=-1)
-    t35 = np.reshape(t18, t18.shape[:2] + (-1,))
-    t36 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t37 = np.concatenate([t35, t36], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    t32 = np.reshape(t17, (d_K**2, L*n_batch))
+    t33 = np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t34 = np.reshape(t30, (d_K**2, L*n_batch))
+    t35 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t36 = np.concatenate([t32, t34], axis=-1)
+    t37 = np.concatenate([t33, t35], axis=-2)
+    t1[...] = (np.reshape((t36 @ t37), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t40 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t41 = ((np.reshape(t40.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t42 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t43 = ((np.reshape(t40.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t44 = ((t15 @ t14)).transpose(3, 2, 0, 1)
+    t40 = np.reshape((t28 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t41 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t42 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t43 = ((t15 @ t14)).transpose(3, 2, 0, 1)
+    t44 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t45 = np.einsum('abcb->abc', t39)
     t46 = t26 @ X
     t47 = t3 @ t46
     t48 = np.ones((d_K,), dtype=X.dtype)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t50 = t47.sum((0,))
-    t51 = np.reshape(t41, t41.shape[:2] + (-1,))
-    t52 = np.reshape(t43, t43.shape[:2] + (-1,))
-    t53 = np.concatenate([t51, t52], axis=-1)
-    t54 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t55 = np.reshape(t44, t44.shape[:2] + (-1,))
-    t56 = np.concatenate([t54, t55], axis=-1)
-    t39[...] = oe.contract('abg,efg->aefb', t53, t56, optimize=[(0, 1)])
-    t45 += oe.contract('ab,c->acb', t50, t49, optimize=[(0, 1)])
-    t57 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = np.reshape(t57, (d_V, d_K, d_V, d_V), copy=False)
-    t59 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t60 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t59.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t61 = (np.reshape((np.reshape(t60.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
-    t62 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t63 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t50 = np.reshape(t40, (d_K*d_V, L*n_batch))
+    t51 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t52 = np.reshape(t43, (d_K*d_V, L*n_batch))
+    t53 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t54 = np.concatenate([t50, t52], axis=-1)
+    t55 = np.concatenate([t51, t53], axis=-2)
+    t39[...] = (np.reshape((t54 @ t55), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t45 += (np.reshape((np.reshape(t49, (d_K, 1)) * np.reshape(t47.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t59 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t60 = (np.reshape((np.reshape(t59.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t61 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t63 = np.reshape((t62 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t64 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t65 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t63.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t58 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
-    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t67 = np.reshape(t66, (d_V, d_K, d_V, d_K), copy=False)
-    t68 = np.swapaxes(W_Q, -1, -2)
-    t69 = (1/(d_K*n_batch)) * t68
-    t70 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t71 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t69.transpose(1, 0)), (n_batch, L, d_K))
-    t72 = ((np.reshape(t71, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t73 = (2/(L*d_K*d_V*n_batch)) * t68
-    t74 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t75 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t76 = ((t75.transpose(1, 2, 0, 3) @ t74.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t77 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t73.transpose(1, 0)), (n_batch, L, d_K))
-    t78 = ((np.reshape(t77, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t79 = np.einsum('abcb->abc', t67)
-    t80 = np.swapaxes(t47, -1, -2)
-    t81 = t80.sum((0,))
-    t82 = np.reshape(t70, t70.shape[:2] + (-1,))
-    t83 = np.reshape(t76, t76.shape[:2] + (-1,))
-    t84 = np.concatenate([t82, t83], axis=-1)
-    t85 = np.reshape(t72, t72.shape[:2] + (-1,))
-    t86 = np.reshape(t78, t78.shape[:2] + (-1,))
-    t87 = np.concatenate([t85, t86], axis=-1)
-    t67[...] = oe.contract('abg,efg->aefb', t84, t87, optimize=[(0, 1)])
-    t79 += oe.contract('ab,c->acb', t81, t49, optimize=[(0, 1)])
-    t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t89 = np.reshape(t88, (d_V, d_K, d_V, d_K), copy=False)
-    t90 = ((np.reshape(t40.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t77, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t91 = ((t74.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t92 = ((np.reshape(t40.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t71, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t93 = M_3.transpose(2, 3, 0, 1)
-    t94 = np.reshape(t90, t90.shape[:2] + (-1,))
-    t95 = np.reshape(t92, t92.shape[:2] + (-1,))
-    t96 = np.concatenate([t94, t95], axis=-1)
-    t97 = np.reshape(t91, t91.shape[:2] + (-1,))
-    t98 = np.reshape(t93, t93.shape[:2] + (-1,))
-    t99 = np.concatenate([t97, t98], axis=-1)
-    t89[...] = oe.contract('abg,efg->eafb', t96, t99, optimize=[(0, 1)])
-    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t101 = np.reshape(t100, (d_V, d_K, d_V, d_V), copy=False)
-    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
-    t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
-    t105 = ((np.reshape(t104, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t106 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t107 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
-    t108 = ((np.reshape(t107, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t109 = M_2.transpose(3, 2, 0, 1)
-    t101[...] = oe.contract('abcd,efcd->aefb', t103, t105, optimize=[(0, 1)])
-    t101 += oe.contract('abcd,efcd->eafb', t108, t109, optimize=[(0, 1)])
-    t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
-    t112 = np.swapaxes(M_1, -1, -2)
-    t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
-    t114 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t115 = (np.reshape((np.reshape(t114.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t116 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t117 = np.swapaxes(G, -1, -2)
-    t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
-    t119 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t120 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t111[...] = oe.contract('abcd,efcd->eafb', t115, t116, optimize=[(0, 1)])
-    t111 += oe.contract('abcd,efcd->aefb', t119, t120, optimize=[(0, 1)])
-    t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t122 = np.reshape(t121, (d_V, d_V, d_V, d_K), copy=False)
-    t123 = ((np.reshape(t40.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t124 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t125 = ((np.reshape(t40.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t126 = M_2.transpose(2, 3, 0, 1)
-    t122[...] = oe.contract('abcd,efcd->aefb', t123, t124, optimize=[(0, 1)])
-    t122 += oe.contract('abcd,efcd->eafb', t125, t126, optimize=[(0, 1)])
-    t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t127[...] = 0
-    t128 = np.reshape(t127, (d_V, d_V, d_V, d_V), copy=False)
-    t129 = np.einsum('abcb->abc', t128)
-    t130 = t112 @ M_1
-    t131 = np.ones((d_V,), dtype=X.dtype)
-    t132 = (2/(L*d_V*n_batch)) * t131
-    t133 = t130.sum((0,))
-    t129 += oe.contract('ab,c->acb', t133, t132, optimize=[(0, 1)])
+    t57[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t57 += (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
+    t67 = np.swapaxes(W_Q, -1, -2)
+    t68 = (1/(d_K*n_batch)) * t67
+    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t70 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
+    t71 = ((np.reshape(t70, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t72 = (2/(L*d_K*d_V*n_batch)) * t67
+    t73 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t74 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
+    t75 = ((t74.transpose(1, 2, 0, 3) @ t73.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t76 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t72.transpose(1, 0)), (n_batch, L, d_K))
+    t77 = ((np.reshape(t76, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t78 = np.einsum('abcb->abc', t66)
+    t79 = np.swapaxes(t47, -1, -2)
+    t80 = np.reshape(t69, (d_K*d_V, L*n_batch))
+    t81 = np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t82 = np.reshape(t75, (d_K*d_V, L*n_batch))
+    t83 = np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t84 = np.concatenate([t80, t82], axis=-1)
+    t85 = np.concatenate([t81, t83], axis=-2)
+    t66[...] = (np.reshape((t84 @ t85), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t78 += (np.reshape((np.reshape(t49, (d_K, 1)) * np.reshape(t79.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t87 = np.reshape(t86, (d_V, d_K, d_V, d_K), copy=False)
+    t88 = ((t73.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t89 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t76, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t90 = M_3.transpose(2, 3, 0, 1)
+    t91 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t70, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t92 = np.reshape(t88, (d_V**2, L*n_batch))
+    t93 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t94 = np.reshape(t90, (d_V**2, L*n_batch))
+    t95 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t96 = np.concatenate([t92, t94], axis=-1)
+    t97 = np.concatenate([t93, t95], axis=-2)
+    t87[...] = (np.reshape((t96 @ t97), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t99 = np.reshape(t98, (d_V, d_K, d_V, d_V), copy=False)
+    t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
+    t101 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
+    t103 = ((np.reshape(t102, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    t105 = M_2.transpose(3, 2, 0, 1)
+    t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
+    t107 = ((np.reshape(t106, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t99[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t99 += (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
+    t110 = np.swapaxes(M_1, -1, -2)
+    t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
+    t112 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t113 = (np.reshape((np.reshape(t112.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t114 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t115 = np.swapaxes(G, -1, -2)
+    t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
+    t117 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t116.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t118 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t109[...] = (np.reshape((np.reshape(t113, (d_K*d_V, L*n_batch)) @ np.reshape(t114.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t109 += (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t120 = np.reshape(t119, (d_V, d_V, d_V, d_K), copy=False)
+    t121 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t122 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t123 = M_2.transpose(2, 3, 0, 1)
+    t124 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t116.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t120[...] = (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t120 += (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t125[...] = 0
+    t126 = np.reshape(t125, (d_V, d_V, d_V, d_V), copy=False)
+    t127 = np.einsum('abcb->abc', t126)
+    t128 = t110 @ M_1
+    t129 = np.ones((d_V,), dtype=X.dtype)
+    t130 = (2/(L*d_V*n_batch)) * t129
+    t127 += (np.reshape((np.reshape(t130, (d_V, 1)) * np.reshape(t128.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -2520,7 +2510,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -2548,7 +2538,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = t14 * t31
@@ -2723,18 +2713,18 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t15 = (t14 @ t13)
-    t16 = np.reshape((np.reshape(t15.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t17 = (X * X).transpose(2, 0, 1)
+    t13 = (X * X).transpose(2, 0, 1)
+    t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t16 = (t15 @ t14)
+    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
     t18 = A @ X
     M_1 = t18
     t19 = M_1 @ W_V
@@ -2747,16 +2737,16 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t27, (d_K, 1, d_V)))
-    t29 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t28.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t30 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
+    t28 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t29 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t27, (d_K, 1, d_V)))
+    t30 = np.reshape((np.reshape(t29, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t28, (d_V, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -2776,7 +2766,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2799,7 +2789,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2826,7 +2816,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2850,7 +2840,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2858,13 +2848,13 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t31 = np.reshape(t16, t16.shape[:2] + (-1,))
-    t32 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t33 = np.concatenate([t31, t32], axis=-1)
-    t34 = np.reshape(t17, t17.shape[:2] + (-1,))
-    t35 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t36 = np.concatenate([t34, t35], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t33, t36, optimize=[(0, 1)])
+    t31 = np.reshape(t16, (d_K**2, L*n_batch))
+    t32 = np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t33 = np.reshape(t29, (d_K**2, L*n_batch))
+    t34 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t35 = np.concatenate([t31, t33], axis=-1)
+    t36 = np.concatenate([t32, t34], axis=-2)
+    t0[...] = (np.reshape((t35 @ t36), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -2884,7 +2874,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -2912,7 +2902,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = t14 * t31
@@ -2961,39 +2951,38 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
-    t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t21 = ((np.reshape(t20.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t20 = np.reshape((t19 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = W_V @ t12
     t25 = (2/(L*d_K*d_V*n_batch)) * t1
-    t26 = ((np.reshape(t20.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t28 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t29 = ((t28 @ t27)).transpose(3, 2, 0, 1)
+    t26 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t28 = ((t27 @ t26)).transpose(3, 2, 0, 1)
+    t29 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t30 = np.einsum('abcb->abc', t0)
     t31 = t16 @ X
     t32 = t2 @ t31
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = t32.sum((0,))
-    t36 = np.reshape(t21, t21.shape[:2] + (-1,))
-    t37 = np.reshape(t26, t26.shape[:2] + (-1,))
-    t38 = np.concatenate([t36, t37], axis=-1)
-    t39 = np.reshape(t22, t22.shape[:2] + (-1,))
-    t40 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t41 = np.concatenate([t39, t40], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t38, t41, optimize=[(0, 1)])
-    t30 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
+    t35 = np.reshape(t20, (d_K*d_V, L*n_batch))
+    t36 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t37 = np.reshape(t28, (d_K*d_V, L*n_batch))
+    t38 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t39 = np.concatenate([t35, t37], axis=-1)
+    t40 = np.concatenate([t36, t38], axis=-2)
+    t0[...] = (np.reshape((t39 @ t40), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t30 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -3027,7 +3016,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t20 = (t19 @ X.transpose(0, 2, 1))
     t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -3035,7 +3024,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = (t23.transpose(1, 2, 0) @ t22.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t25 = W_V @ t11
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
@@ -3089,7 +3078,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3105,10 +3094,10 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (2/(L*d_V)) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t20 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = np.reshape((t18 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3128,7 +3117,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3182,18 +3171,18 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = t15 * t14.transpose(2, 0, 1)
-    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t14 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = t17 * t16.transpose(2, 0, 1)
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -3206,16 +3195,16 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
-    t30 = t15 * t29.transpose(2, 0, 1)
-    t31 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    t29 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
+    t31 = t17 * t30.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t15, (d_V, L*n_batch)) @ np.reshape(t18.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t29, (d_V, L*n_batch)) @ np.reshape(t31.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -3236,7 +3225,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3259,7 +3248,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3300,7 +3289,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3309,7 +3298,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3326,15 +3315,14 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t2 @ t34
     t36 = np.ones((d_K,), dtype=X.dtype)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t38 = t35.sum((0,))
-    t39 = np.reshape(t21, t21.shape[:2] + (-1,))
-    t40 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t41 = np.concatenate([t39, t40], axis=-1)
-    t42 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t43 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t44 = np.concatenate([t42, t43], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t41, t44, optimize=[(0, 1)])
-    t32 += oe.contract('ab,c->acb', t38, t37, optimize=[(0, 1)])
+    t38 = np.reshape(t21, (d_K*d_V, L*n_batch))
+    t39 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t40 = np.reshape(t29, (d_K*d_V, L*n_batch))
+    t41 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t42 = np.concatenate([t38, t40], axis=-1)
+    t43 = np.concatenate([t39, t41], axis=-2)
+    t0[...] = (np.reshape((t42 @ t43), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t32 += (np.reshape((np.reshape(t37, (d_K, 1)) * np.reshape(t35.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -3370,7 +3358,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(W_Q, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -3378,7 +3366,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = (t25.transpose(1, 2, 0) @ t24.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = W_V @ t11
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
@@ -3434,18 +3422,18 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t14, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = ((t17.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t14 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t15 = ((t14.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -3458,21 +3446,21 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
-    t30 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t31 = M_3.transpose(2, 3, 0, 1)
-    t32 = np.reshape(t16, t16.shape[:2] + (-1,))
-    t33 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t34 = np.concatenate([t32, t33], axis=-1)
-    t35 = np.reshape(t18, t18.shape[:2] + (-1,))
-    t36 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t37 = np.concatenate([t35, t36], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    t29 = M_3.transpose(2, 3, 0, 1)
+    t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
+    t31 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t30, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t32 = np.reshape(t15, (d_V**2, L*n_batch))
+    t33 = np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t34 = np.reshape(t29, (d_V**2, L*n_batch))
+    t35 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t36 = np.concatenate([t32, t34], axis=-1)
+    t37 = np.concatenate([t33, t35], axis=-2)
+    t0[...] = (np.reshape((t36 @ t37), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3493,7 +3481,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3521,7 +3509,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t11.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3559,7 +3547,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3575,11 +3563,11 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (2/(L*d_V)) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
-    t21 = ((np.reshape(t20, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t22 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t20 = M_2.transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
+    t22 = ((np.reshape(t21, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3600,7 +3588,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3657,8 +3645,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).transpose(1, 0)
     return out
 
 
@@ -3705,7 +3692,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3720,10 +3707,10 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = np.swapaxes(G, -1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3747,7 +3734,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3803,14 +3790,14 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t15 = ((np.reshape(t14.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t16 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t14 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -3818,10 +3805,10 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = np.swapaxes(G, -1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = ((np.reshape(t14.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = M_2.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t22 = M_2.transpose(2, 3, 0, 1)
+    t23 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3845,7 +3832,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3903,8 +3890,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -3947,7 +3933,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3976,7 +3962,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = t14 * t33
@@ -4015,7 +4001,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4046,7 +4032,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = t1 @ t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t33.sum((0,))), (n_batch, L, d_V))
     t35 = (t34 @ X.transpose(0, 2, 1))
     t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -4095,7 +4081,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4152,7 +4138,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4184,7 +4170,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t35.sum((0,))), (n_batch, L, d_V))
     t37 = (t36 @ X.transpose(0, 2, 1))
     t38 = np.reshape((np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -4234,7 +4220,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4263,7 +4249,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t33, (L*n_batch, d_K)) @ np.reshape(t33.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4303,7 +4289,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4363,7 +4349,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4422,7 +4408,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4570,12 +4556,12 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t11 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t10), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t16 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
     t17 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += (np.reshape((np.reshape(t17, (n_batch, L, d_K*d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 4, 2, 3)
+    t2 += np.reshape((np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -4601,12 +4587,12 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t11 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t10), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t16 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
     t17 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += (np.reshape((np.reshape(t17, (n_batch, L, d_K*d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 4, 2, 3)
+    t2 += np.reshape((np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -4741,7 +4727,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4753,13 +4739,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t18 = (t17 @ t16)
     t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = ((t17 @ t16)).transpose(3, 2, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t23 = ((t17 @ t16)).transpose(3, 2, 0, 1)
+    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
     t28 = A @ X
@@ -4768,7 +4754,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t31 = (np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
     t32 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t27[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
     t35 = np.swapaxes(W_Q, -1, -2)
@@ -4778,19 +4764,19 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = ((t38.transpose(1, 2, 0, 3) @ t37.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t40 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_K))
     t41 = ((np.reshape(t40, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t34[...] = oe.contract('abcd,efcd->aefb', t39, t41, optimize=[(0, 1)])
+    t34[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t40, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t45 = ((t37.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t44 = ((t37.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t45 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t40, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t43[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
     t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t47[...] = oe.contract('abcd,efcd->aefb', t49, t51, optimize=[(0, 1)])
+    t47[...] = (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(M_1, -1, -2)
@@ -4798,12 +4784,12 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t56 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t57 = (np.reshape((np.reshape(t56.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t58 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
+    t53[...] = (np.reshape((np.reshape(t57, (d_K*d_V, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
-    t61 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t62 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t61 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t62 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t60[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t63[...] = 0
     t64 = np.reshape(t63, (d_V, d_V, d_V, d_V), copy=False)
@@ -4811,8 +4797,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t66 = t54 @ M_1
     t67 = np.ones((d_V,), dtype=X.dtype)
     t68 = (2/(L*d_V*n_batch)) * t67
-    t69 = t66.sum((0,))
-    t65 += oe.contract('ab,c->acb', t69, t68, optimize=[(0, 1)])
+    t65 += (np.reshape((np.reshape(t68, (d_V, 1)) * np.reshape(t66.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -4882,7 +4867,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4980,19 +4965,19 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t17 = (t16 @ t15)
-    t18 = np.reshape((np.reshape(t17.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t19 = (X * X).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t15 = (X * X).transpose(2, 0, 1)
+    t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t18 = (t17 @ t16)
+    t19 = np.reshape((np.reshape(t18.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t15, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -5014,7 +4999,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5048,7 +5033,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5060,7 +5045,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = (t16 @ t15)
     t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_K**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -5082,7 +5067,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5123,19 +5108,19 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t19 = ((t18 @ t17)).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t19, optimize=[(0, 1)])
+    t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t17 = ((t16 @ t15)).transpose(3, 2, 0, 1)
+    t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t19 = ((np.reshape(t18.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5157,7 +5142,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5198,7 +5183,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5208,7 +5193,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
     t16 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -5230,7 +5215,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5269,19 +5254,19 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = t17 * t16.transpose(2, 0, 1)
-    t19 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = (np.reshape((np.reshape(t19.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t20, optimize=[(0, 1)])
+    t16 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = t19 * t18.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -5304,7 +5289,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5339,7 +5324,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5351,7 +5336,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = ((t17.transpose(1, 2, 0, 3) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -5374,7 +5359,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5416,19 +5401,19 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t19 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = ((t19.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t20, optimize=[(0, 1)])
+    t16 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t17 = ((t16.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5451,7 +5436,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5493,7 +5478,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5503,7 +5488,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_K))
     t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -5526,7 +5511,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5568,8 +5553,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = np.ones((d_V,), dtype=X.dtype)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t15 = oe.contract('abb->b', t12)
-    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t14, t12)).transpose(1, 0)
     return out
 
 
@@ -5620,7 +5604,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5628,7 +5612,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -5654,7 +5638,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5694,15 +5678,15 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t17 = ((np.reshape(t16.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t18 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t16 = np.reshape((t12 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5728,7 +5712,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5770,8 +5754,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = t13.sum((0,))
-    t1 += oe.contract('ab,c->acb', t16, t15, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t15, (d_V, 1)) * np.reshape(t13.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -5833,7 +5816,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5841,69 +5824,67 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t24, (d_K**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t30 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t28 = np.reshape((t22 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t31 = np.einsum('abcb->abc', t27)
     t32 = t19 @ X
     t33 = t3 @ t32
     t34 = np.ones((d_K,), dtype=X.dtype)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = t33.sum((0,))
-    t27[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 += oe.contract('ab,c->acb', t36, t35, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
+    t27[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t31 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t33.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
-    t39 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    t38 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t40 = np.reshape((t39 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t42 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t45 = np.swapaxes(W_Q, -1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t48 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
-    t49 = ((np.reshape(t48, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t50 = np.einsum('abcb->abc', t44)
-    t51 = np.swapaxes(t33, -1, -2)
-    t52 = t51.sum((0,))
-    t44[...] = oe.contract('abcd,efcd->aefb', t47, t49, optimize=[(0, 1)])
-    t50 += oe.contract('ab,c->acb', t52, t35, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
-    t55 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t48, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t56 = M_3.transpose(2, 3, 0, 1)
-    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = np.reshape(t57, (d_V, d_K, d_V, d_V), copy=False)
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t59.transpose(1, 0)), (n_batch, L, d_K))
-    t61 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t62 = M_2.transpose(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t64 = np.reshape(t63, (d_V, d_V, d_V, d_K), copy=False)
-    t65 = np.swapaxes(G, -1, -2)
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t65
-    t67 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t64[...] = oe.contract('abcd,efcd->aefb', t67, t68, optimize=[(0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t70 = np.reshape(t69, (d_V, d_V, d_V, d_K), copy=False)
-    t71 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t72 = M_2.transpose(2, 3, 0, 1)
-    t70[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t73[...] = 0
+    t37[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t44 = np.swapaxes(W_Q, -1, -2)
+    t45 = (1/(d_K*n_batch)) * t44
+    t46 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t47 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t45.transpose(1, 0)), (n_batch, L, d_K))
+    t48 = ((np.reshape(t47, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t49 = np.einsum('abcb->abc', t43)
+    t50 = np.swapaxes(t33, -1, -2)
+    t43[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t49 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t50.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    t53 = M_3.transpose(2, 3, 0, 1)
+    t54 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t47, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t52[...] = (np.reshape((np.reshape(t53, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t58 = M_2.transpose(3, 2, 0, 1)
+    t59 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t57.transpose(1, 0)), (n_batch, L, d_K))
+    t60 = ((np.reshape(t59, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t56[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
+    t63 = np.swapaxes(G, -1, -2)
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
+    t65 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t66 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t62[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
+    t69 = M_2.transpose(2, 3, 0, 1)
+    t70 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t68[...] = (np.reshape((np.reshape(t69, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
     return H
 
 
@@ -6000,7 +5981,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6028,7 +6009,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t43 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t37 * t35).sum() + (1/(d_K**2*n_batch**2)) * (t42 * t39.transpose(0, 2, 3, 1)).sum()
     t44 = np.sqrt(np.maximum(t43, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t45 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t46 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t46 * t22
@@ -6109,15 +6090,15 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
-    t22 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t21, (d_K, 1, d_V)))
-    t23 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t24 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t22 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t23 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t21, (d_K, 1, d_V)))
+    t24 = np.reshape((np.reshape(t23, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t22, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -6151,7 +6132,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6193,7 +6174,7 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6201,7 +6182,7 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t23 = (np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t23, (d_K**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -6235,7 +6216,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6283,22 +6264,21 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t22 = np.reshape((t21 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t25 = np.einsum('abcb->abc', t0)
     t26 = t18 @ X
     t27 = t2 @ t26
     t28 = np.ones((d_K,), dtype=X.dtype)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = t27.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('ab,c->acb', t30, t29, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t25 += (np.reshape((np.reshape(t29, (d_K, 1)) * np.reshape(t27.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -6334,7 +6314,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -6374,7 +6354,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6386,9 +6366,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (2/(L*d_V)) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t18 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = np.reshape((t16 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -6410,7 +6390,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -6465,16 +6445,16 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = t24 * t23.transpose(2, 0, 1)
-    t26 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
+    t23 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t26 = t25 * t24.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t23, (d_V, L*n_batch)) @ np.reshape(t26.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -6509,7 +6489,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6552,7 +6532,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6566,9 +6546,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t29 = t2 @ t28
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = t29.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t25, optimize=[(0, 1)])
-    t26 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t26 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t29.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -6606,7 +6585,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = np.swapaxes(W_Q, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t24 = (t23 @ X.transpose(0, 2, 1))
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -6659,16 +6638,16 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t26 = M_3.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t23 = M_3.transpose(2, 3, 0, 1)
+    t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t26 = ((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t24, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6703,7 +6682,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6740,7 +6719,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6752,10 +6731,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (2/(L*d_V)) * t15
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_K))
-    t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t20 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t18 = M_2.transpose(3, 2, 0, 1)
+    t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_K))
+    t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6778,7 +6757,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -6848,14 +6827,14 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -6885,7 +6864,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6928,15 +6907,15 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t19 = ((np.reshape(t18.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t20 = M_2.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t18 = M_2.transpose(2, 3, 0, 1)
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6966,7 +6945,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7022,7 +7001,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7046,7 +7025,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7054,124 +7033,121 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t31 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t32 = (np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34 = np.reshape(t19, t19.shape[:2] + (-1,))
-    t35 = np.reshape(t32, t32.shape[:2] + (-1,))
-    t36 = np.concatenate([t34, t35], axis=-1)
-    t37 = np.reshape(t20, t20.shape[:2] + (-1,))
-    t38 = np.reshape(t33, t33.shape[:2] + (-1,))
-    t39 = np.concatenate([t37, t38], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
+    t34 = np.reshape(t19, (d_K**2, L*n_batch))
+    t35 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t36 = np.reshape(t32, (d_K**2, L*n_batch))
+    t37 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t38 = np.concatenate([t34, t36], axis=-1)
+    t39 = np.concatenate([t35, t37], axis=-2)
+    t1[...] = (np.reshape((t38 @ t39), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    t42 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t43 = ((np.reshape(t42.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t44 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t45 = ((np.reshape(t42.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t46 = ((t17 @ t16)).transpose(3, 2, 0, 1)
+    t42 = np.reshape((t30 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t43 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t44 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t45 = ((t17 @ t16)).transpose(3, 2, 0, 1)
+    t46 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t47 = np.einsum('abcb->abc', t41)
     t48 = t28 @ X
     t49 = t3 @ t48
     t50 = np.ones((d_K,), dtype=X.dtype)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t52 = t49.sum((0,))
-    t53 = np.reshape(t43, t43.shape[:2] + (-1,))
-    t54 = np.reshape(t45, t45.shape[:2] + (-1,))
-    t55 = np.concatenate([t53, t54], axis=-1)
-    t56 = np.reshape(t44, t44.shape[:2] + (-1,))
-    t57 = np.reshape(t46, t46.shape[:2] + (-1,))
-    t58 = np.concatenate([t56, t57], axis=-1)
-    t41[...] = oe.contract('abg,efg->aefb', t55, t58, optimize=[(0, 1)])
-    t47 += oe.contract('ab,c->acb', t52, t51, optimize=[(0, 1)])
-    t59 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t60 = np.reshape(t59, (d_V, d_K, d_V, d_V), copy=False)
-    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t62 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t61.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t63 = (np.reshape((np.reshape(t62.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
-    t64 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t52 = np.reshape(t42, (d_K*d_V, L*n_batch))
+    t53 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t54 = np.reshape(t45, (d_K*d_V, L*n_batch))
+    t55 = np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t56 = np.concatenate([t52, t54], axis=-1)
+    t57 = np.concatenate([t53, t55], axis=-2)
+    t41[...] = (np.reshape((t56 @ t57), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t47 += (np.reshape((np.reshape(t51, (d_K, 1)) * np.reshape(t49.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
+    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t61 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t62 = (np.reshape((np.reshape(t61.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t65 = np.reshape((t64 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t66 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t67 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t65.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t60[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t60 += oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
-    t70 = np.swapaxes(W_Q, -1, -2)
-    t71 = (1/(d_K*n_batch)) * t70
-    t72 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t73 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_K))
-    t74 = ((np.reshape(t73, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t75 = (2/(L*d_K*d_V*n_batch)) * t70
-    t76 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t77 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
-    t78 = ((t77.transpose(1, 2, 0, 3) @ t76.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t79 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t75.transpose(1, 0)), (n_batch, L, d_K))
-    t80 = ((np.reshape(t79, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t81 = np.einsum('abcb->abc', t69)
-    t82 = np.swapaxes(t49, -1, -2)
-    t83 = t82.sum((0,))
-    t84 = np.reshape(t72, t72.shape[:2] + (-1,))
-    t85 = np.reshape(t78, t78.shape[:2] + (-1,))
-    t86 = np.concatenate([t84, t85], axis=-1)
-    t87 = np.reshape(t74, t74.shape[:2] + (-1,))
-    t88 = np.reshape(t80, t80.shape[:2] + (-1,))
-    t89 = np.concatenate([t87, t88], axis=-1)
-    t69[...] = oe.contract('abg,efg->aefb', t86, t89, optimize=[(0, 1)])
-    t81 += oe.contract('ab,c->acb', t83, t51, optimize=[(0, 1)])
-    t90 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t91 = np.reshape(t90, (d_V, d_K, d_V, d_K), copy=False)
-    t92 = ((np.reshape(t42.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t79, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t93 = ((t76.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t94 = ((np.reshape(t42.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t73, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t95 = M_3.transpose(2, 3, 0, 1)
-    t96 = np.reshape(t92, t92.shape[:2] + (-1,))
-    t97 = np.reshape(t94, t94.shape[:2] + (-1,))
-    t98 = np.concatenate([t96, t97], axis=-1)
-    t99 = np.reshape(t93, t93.shape[:2] + (-1,))
-    t100 = np.reshape(t95, t95.shape[:2] + (-1,))
-    t101 = np.concatenate([t99, t100], axis=-1)
-    t91[...] = oe.contract('abg,efg->eafb', t98, t101, optimize=[(0, 1)])
-    t102 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t103 = np.reshape(t102, (d_V, d_K, d_V, d_V), copy=False)
-    t104 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t70
-    t105 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
-    t107 = ((np.reshape(t106, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t108 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t109 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t108.transpose(1, 0)), (n_batch, L, d_K))
-    t110 = ((np.reshape(t109, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t111 = M_2.transpose(3, 2, 0, 1)
-    t103[...] = oe.contract('abcd,efcd->aefb', t105, t107, optimize=[(0, 1)])
-    t103 += oe.contract('abcd,efcd->eafb', t110, t111, optimize=[(0, 1)])
-    t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t113 = np.reshape(t112, (d_V, d_V, d_V, d_K), copy=False)
-    t114 = np.swapaxes(M_1, -1, -2)
-    t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t114
-    t116 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t117 = (np.reshape((np.reshape(t116.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t118 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t115.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t119 = np.swapaxes(G, -1, -2)
-    t120 = (1/(math.sqrt(d_K)*n_batch)) * t119
-    t121 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t122 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t120.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t113[...] = oe.contract('abcd,efcd->eafb', t117, t118, optimize=[(0, 1)])
-    t113 += oe.contract('abcd,efcd->aefb', t121, t122, optimize=[(0, 1)])
-    t123 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t124 = np.reshape(t123, (d_V, d_V, d_V, d_K), copy=False)
-    t125 = ((np.reshape(t42.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t115.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t126 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t127 = ((np.reshape(t42.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t120.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t128 = M_2.transpose(2, 3, 0, 1)
-    t124[...] = oe.contract('abcd,efcd->aefb', t125, t126, optimize=[(0, 1)])
-    t124 += oe.contract('abcd,efcd->eafb', t127, t128, optimize=[(0, 1)])
-    t129 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t129[...] = 0
-    t130 = np.reshape(t129, (d_V, d_V, d_V, d_V), copy=False)
-    t131 = np.einsum('abcb->abc', t130)
-    t132 = t114 @ M_1
-    t133 = np.ones((d_V,), dtype=X.dtype)
-    t134 = (2/(L*d_V*n_batch)) * t133
-    t135 = t132.sum((0,))
-    t131 += oe.contract('ab,c->acb', t135, t134, optimize=[(0, 1)])
+    t59[...] = (np.reshape((np.reshape(t62, (d_K*d_V, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t59 += (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
+    t69 = np.swapaxes(W_Q, -1, -2)
+    t70 = (1/(d_K*n_batch)) * t69
+    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t72 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_K))
+    t73 = ((np.reshape(t72, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t74 = (2/(L*d_K*d_V*n_batch)) * t69
+    t75 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t76 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
+    t77 = ((t76.transpose(1, 2, 0, 3) @ t75.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t78 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t74.transpose(1, 0)), (n_batch, L, d_K))
+    t79 = ((np.reshape(t78, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t80 = np.einsum('abcb->abc', t68)
+    t81 = np.swapaxes(t49, -1, -2)
+    t82 = np.reshape(t71, (d_K*d_V, L*n_batch))
+    t83 = np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t84 = np.reshape(t77, (d_K*d_V, L*n_batch))
+    t85 = np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t86 = np.concatenate([t82, t84], axis=-1)
+    t87 = np.concatenate([t83, t85], axis=-2)
+    t68[...] = (np.reshape((t86 @ t87), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t80 += (np.reshape((np.reshape(t51, (d_K, 1)) * np.reshape(t81.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t89 = np.reshape(t88, (d_V, d_K, d_V, d_K), copy=False)
+    t90 = ((t75.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t91 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t78, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t92 = M_3.transpose(2, 3, 0, 1)
+    t93 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t72, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t94 = np.reshape(t90, (d_V**2, L*n_batch))
+    t95 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t96 = np.reshape(t92, (d_V**2, L*n_batch))
+    t97 = np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t98 = np.concatenate([t94, t96], axis=-1)
+    t99 = np.concatenate([t95, t97], axis=-2)
+    t89[...] = (np.reshape((t98 @ t99), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t101 = np.reshape(t100, (d_V, d_K, d_V, d_V), copy=False)
+    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
+    t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
+    t105 = ((np.reshape(t104, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t107 = M_2.transpose(3, 2, 0, 1)
+    t108 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
+    t109 = ((np.reshape(t108, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t101[...] = (np.reshape((np.reshape(t103, (d_V**2, L*n_batch)) @ np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t101 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t109.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
+    t112 = np.swapaxes(M_1, -1, -2)
+    t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
+    t114 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t115 = (np.reshape((np.reshape(t114.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t116 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t117 = np.swapaxes(G, -1, -2)
+    t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
+    t119 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t120 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t111[...] = (np.reshape((np.reshape(t115, (d_K*d_V, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t111 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t122 = np.reshape(t121, (d_V, d_V, d_V, d_K), copy=False)
+    t123 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t124 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t125 = M_2.transpose(2, 3, 0, 1)
+    t126 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t122[...] = (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t122 += (np.reshape((np.reshape(t125, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t127[...] = 0
+    t128 = np.reshape(t127, (d_V, d_V, d_V, d_V), copy=False)
+    t129 = np.einsum('abcb->abc', t128)
+    t130 = t112 @ M_1
+    t131 = np.ones((d_V,), dtype=X.dtype)
+    t132 = (2/(L*d_V*n_batch)) * t131
+    t129 += (np.reshape((np.reshape(t132, (d_V, 1)) * np.reshape(t130.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -7264,7 +7240,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7292,7 +7268,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = t16 * t33
@@ -7469,18 +7445,18 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t17 = (t16 @ t15)
-    t18 = np.reshape((np.reshape(t17.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t19 = (X * X).transpose(2, 0, 1)
+    t15 = (X * X).transpose(2, 0, 1)
+    t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t18 = (t17 @ t16)
+    t19 = np.reshape((np.reshape(t18.transpose(3, 0, 1, 2), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
     t20 = A @ X
     M_1 = t20
     t21 = M_1 @ W_V
@@ -7493,16 +7469,16 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
-    t30 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t29, (d_K, 1, d_V)))
-    t31 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t30.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t32 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
+    t30 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t31 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t29, (d_K, 1, d_V)))
+    t32 = np.reshape((np.reshape(t31, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t15, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t30, (d_V, L*n_batch)) @ np.reshape(t32.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -7524,7 +7500,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7547,7 +7523,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7576,7 +7552,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7600,7 +7576,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7608,13 +7584,13 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t31 = (np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t33 = np.reshape(t18, t18.shape[:2] + (-1,))
-    t34 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t35 = np.concatenate([t33, t34], axis=-1)
-    t36 = np.reshape(t19, t19.shape[:2] + (-1,))
-    t37 = np.reshape(t32, t32.shape[:2] + (-1,))
-    t38 = np.concatenate([t36, t37], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
+    t33 = np.reshape(t18, (d_K**2, L*n_batch))
+    t34 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t35 = np.reshape(t31, (d_K**2, L*n_batch))
+    t36 = np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t37 = np.concatenate([t33, t35], axis=-1)
+    t38 = np.concatenate([t34, t36], axis=-2)
+    t0[...] = (np.reshape((t37 @ t38), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -7636,7 +7612,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7664,7 +7640,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = t16 * t33
@@ -7715,39 +7691,38 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t22 = np.reshape((t21 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = W_V @ t14
     t27 = (2/(L*d_K*d_V*n_batch)) * t1
-    t28 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t30 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t31 = ((t30 @ t29)).transpose(3, 2, 0, 1)
+    t28 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t30 = ((t29 @ t28)).transpose(3, 2, 0, 1)
+    t31 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t32 = np.einsum('abcb->abc', t0)
     t33 = t18 @ X
     t34 = t2 @ t33
     t35 = np.ones((d_K,), dtype=X.dtype)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = t34.sum((0,))
-    t38 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t39 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t40 = np.concatenate([t38, t39], axis=-1)
-    t41 = np.reshape(t24, t24.shape[:2] + (-1,))
-    t42 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t43 = np.concatenate([t41, t42], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t40, t43, optimize=[(0, 1)])
-    t32 += oe.contract('ab,c->acb', t37, t36, optimize=[(0, 1)])
+    t37 = np.reshape(t22, (d_K*d_V, L*n_batch))
+    t38 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t39 = np.reshape(t30, (d_K*d_V, L*n_batch))
+    t40 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t41 = np.concatenate([t37, t39], axis=-1)
+    t42 = np.concatenate([t38, t40], axis=-2)
+    t0[...] = (np.reshape((t41 @ t42), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t32 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -7783,7 +7758,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -7791,7 +7766,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = (t25.transpose(1, 2, 0) @ t24.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = W_V @ t13
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
@@ -7847,7 +7822,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7863,10 +7838,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (2/(L*d_V)) * t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t21 = np.reshape((t20 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7888,7 +7863,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7944,18 +7919,18 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = t17 * t16.transpose(2, 0, 1)
-    t19 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = (np.reshape((np.reshape(t19.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t16 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t17 = np.reshape((np.reshape(t16.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = t19 * t18.transpose(2, 0, 1)
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -7968,16 +7943,16 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
-    t32 = t17 * t31.transpose(2, 0, 1)
-    t33 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
+    t31 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
+    t33 = t19 * t32.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t31, (d_V, L*n_batch)) @ np.reshape(t33.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -8000,7 +7975,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8023,7 +7998,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8066,7 +8041,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8075,7 +8050,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8092,15 +8067,14 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t2 @ t36
     t38 = np.ones((d_K,), dtype=X.dtype)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = t37.sum((0,))
-    t41 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t42 = np.reshape(t31, t31.shape[:2] + (-1,))
-    t43 = np.concatenate([t41, t42], axis=-1)
-    t44 = np.reshape(t25, t25.shape[:2] + (-1,))
-    t45 = np.reshape(t33, t33.shape[:2] + (-1,))
-    t46 = np.concatenate([t44, t45], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t43, t46, optimize=[(0, 1)])
-    t34 += oe.contract('ab,c->acb', t40, t39, optimize=[(0, 1)])
+    t40 = np.reshape(t23, (d_K*d_V, L*n_batch))
+    t41 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t42 = np.reshape(t31, (d_K*d_V, L*n_batch))
+    t43 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t44 = np.concatenate([t40, t42], axis=-1)
+    t45 = np.concatenate([t41, t43], axis=-2)
+    t0[...] = (np.reshape((t44 @ t45), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t34 += (np.reshape((np.reshape(t39, (d_K, 1)) * np.reshape(t37.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -8138,7 +8112,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = np.swapaxes(W_Q, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t24 = (t23 @ X.transpose(0, 2, 1))
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -8146,7 +8120,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t28 = (t27.transpose(1, 2, 0) @ t26.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = W_V @ t13
     t30 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t31 = (t30 @ X.transpose(0, 2, 1))
@@ -8204,18 +8178,18 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t19 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = ((t19.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t16 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t17 = ((t16.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
+    t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -8228,21 +8202,21 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
-    t32 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t31, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t33 = M_3.transpose(2, 3, 0, 1)
-    t34 = np.reshape(t18, t18.shape[:2] + (-1,))
-    t35 = np.reshape(t32, t32.shape[:2] + (-1,))
-    t36 = np.concatenate([t34, t35], axis=-1)
-    t37 = np.reshape(t20, t20.shape[:2] + (-1,))
-    t38 = np.reshape(t33, t33.shape[:2] + (-1,))
-    t39 = np.concatenate([t37, t38], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
+    t31 = M_3.transpose(2, 3, 0, 1)
+    t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
+    t33 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t32, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t34 = np.reshape(t17, (d_V**2, L*n_batch))
+    t35 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t36 = np.reshape(t31, (d_V**2, L*n_batch))
+    t37 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t38 = np.concatenate([t34, t36], axis=-1)
+    t39 = np.concatenate([t35, t37], axis=-2)
+    t0[...] = (np.reshape((t38 @ t39), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8265,7 +8239,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8293,7 +8267,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t34, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8333,7 +8307,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8349,11 +8323,11 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = (2/(L*d_V)) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t24 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t22 = M_2.transpose(3, 2, 0, 1)
+    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
+    t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8376,7 +8350,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8435,8 +8409,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = np.ones((d_V,), dtype=X.dtype)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t15 = oe.contract('abb->b', t12)
-    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t14, t12)).transpose(1, 0)
     return out
 
 
@@ -8487,7 +8460,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8502,10 +8475,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t21
     t22 = np.swapaxes(G, -1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -8531,7 +8504,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8589,14 +8562,14 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t17 = ((np.reshape(t16.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t18 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t16 = np.reshape((t12 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = M_1 @ W_V
     F = t19
     t20 = F - Y
@@ -8604,10 +8577,10 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t21
     t22 = np.swapaxes(G, -1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = ((np.reshape(t16.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = M_2.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t24 = M_2.transpose(2, 3, 0, 1)
+    t25 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t0 += (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8633,7 +8606,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8693,8 +8666,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = t13.sum((0,))
-    t1 += oe.contract('ab,c->acb', t16, t15, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t15, (d_V, 1)) * np.reshape(t13.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -8741,7 +8713,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8770,7 +8742,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = t16 * t35
@@ -8811,7 +8783,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8842,7 +8814,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t35.sum((0,))), (n_batch, L, d_V))
     t37 = (t36 @ X.transpose(0, 2, 1))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -8893,7 +8865,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8952,7 +8924,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8984,7 +8956,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t37.sum((0,))), (n_batch, L, d_V))
     t39 = (t38 @ X.transpose(0, 2, 1))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -9036,7 +9008,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9065,7 +9037,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t35, (L*n_batch, d_K)) @ np.reshape(t35.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9107,7 +9079,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9169,7 +9141,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9230,7 +9202,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9386,12 +9358,12 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t12), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t18 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += (np.reshape((np.reshape(t19, (n_batch, L, d_K*d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 4, 2, 3)
+    t2 += np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -9419,12 +9391,12 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t12), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t18 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += (np.reshape((np.reshape(t19, (n_batch, L, d_K*d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 4, 2, 3)
+    t2 += np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -9563,7 +9535,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9576,7 +9548,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -9587,13 +9559,13 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = (t25 @ t24)
     t27 = (np.reshape((np.reshape(t26, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t27, (d_K**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t32 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t33 = ((t25 @ t24)).transpose(2, 3, 0, 1)
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t31 = ((t25 @ t24)).transpose(2, 3, 0, 1)
+    t32 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t33 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     t36 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
@@ -9601,7 +9573,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t39 = ((t38 @ t22)).transpose(2, 3, 0, 1)
     t40 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
+    t35[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
     t43 = np.swapaxes(W_Q, -1, -2)
@@ -9613,40 +9585,40 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t49 = (np.reshape((np.reshape(t48.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t44.transpose(1, 0)), (n_batch, L, d_K))
     t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t42[...] = oe.contract('abcd,efcd->aefb', t49, t51, optimize=[(0, 1)])
+    t42[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
-    t54 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t50, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t55 = ((t47 @ t46)).transpose(3, 2, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t54 = ((t47 @ t46)).transpose(3, 2, 0, 1)
+    t55 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t50, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t53[...] = (np.reshape((np.reshape(t54, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
     t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
     t59 = ((t22.transpose(0, 1, 3, 2) @ t45.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_K))
     t61 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t57[...] = oe.contract('abcd,efcd->aefb', t59, t61, optimize=[(0, 1)])
+    t57[...] = (np.reshape((np.reshape(t59, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
     t64 = np.swapaxes(M_1, -1, -2)
     t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
-    t66 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t67 = (t66.transpose(1, 2, 3, 0) @ M_2)
-    t68 = np.reshape((np.reshape(t67, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t69 = (np.reshape((np.reshape(t68, (n_batch, L, d_V, d_K, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t65.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t66 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t65.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t67 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t68 = (t67.transpose(1, 2, 3, 0) @ M_2)
+    t69 = np.reshape((np.reshape(t68, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t70 = (np.reshape((np.reshape(t69, (n_batch, L, d_V, d_K, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t63[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_V, d_V, d_K), copy=False)
-    t73 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t65.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t74 = ((t47 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t72[...] = oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
+    t73 = ((t47 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t74 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t65.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t72[...] = (np.reshape((np.reshape(t73, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76 = np.reshape(t75, (d_V, d_V, d_V, d_V), copy=False)
     t77 = (1/(L*n_batch)) * t64
     t78 = (np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t79 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t76[...] = oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
+    t76[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -9720,7 +9692,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -9730,7 +9702,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9827,7 +9799,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9840,18 +9812,18 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
-    t23 = (t22 @ M_2)
-    t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t25 = (t24 @ t23)
-    t26 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t27 = (X * X).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    t20 = (X * X).transpose(2, 0, 1)
+    t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t22 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
+    t24 = (t23 @ M_2)
+    t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t26 = (t25 @ t24)
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t27.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -9871,7 +9843,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9884,7 +9856,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9915,7 +9887,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9928,7 +9900,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -9939,7 +9911,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t25 = (t24 @ t23)
     t26 = (np.reshape((np.reshape(t25, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t26, (d_K**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -9959,7 +9931,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -9969,7 +9941,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10013,7 +9985,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10026,18 +9998,18 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t21 = ((np.reshape(t20.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ M_2)
-    t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t27 = ((t26 @ t25)).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t27, optimize=[(0, 1)])
+    t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
+    t23 = (t22 @ M_2)
+    t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t25 = ((t24 @ t23)).transpose(2, 3, 0, 1)
+    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -10057,7 +10029,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -10067,7 +10039,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10111,7 +10083,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10124,14 +10096,14 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).transpose(2, 3, 0, 1)
     t23 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -10151,7 +10123,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -10161,7 +10133,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -10197,7 +10169,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10210,18 +10182,18 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = t22 * t21.transpose(2, 0, 1)
-    t24 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t25 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
-    t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t28, optimize=[(0, 1)])
+    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t28 = t27 * t26.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t25, (d_V, L*n_batch)) @ np.reshape(t28.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -10242,7 +10214,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10255,7 +10227,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10287,7 +10259,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10300,7 +10272,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -10311,7 +10283,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t27 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -10332,7 +10304,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10342,7 +10314,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10387,7 +10359,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10400,18 +10372,18 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t21, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t24 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t25 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
-    t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t28 = ((t27 @ t26)).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t28, optimize=[(0, 1)])
+    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = ((t24 @ t23)).transpose(3, 2, 0, 1)
+    t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t26, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -10432,7 +10404,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10442,7 +10414,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10487,7 +10459,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10500,14 +10472,14 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
     t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t24, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -10528,7 +10500,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10538,7 +10510,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -10581,11 +10553,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
-    t18 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t18 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t18.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -10613,7 +10585,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -10645,21 +10617,21 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA18.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = np.reshape((t16.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = (t21.transpose(1, 2, 3, 0) @ M_2)
-    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = np.reshape((t16.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t23 = (t22.transpose(1, 2, 3, 0) @ M_2)
+    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -10687,11 +10659,11 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -10734,21 +10706,21 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA18.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t25 = ((t24 @ t23.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t25, optimize=[(0, 1)])
+    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -10776,11 +10748,11 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -10823,11 +10795,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -10855,7 +10827,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10902,7 +10874,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10910,69 +10882,67 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t27, (d_K**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t32 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t33 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t31 = np.reshape((t25 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t32 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t33 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t34 = np.einsum('abcb->abc', t30)
     t35 = t22 @ X
     t36 = t3 @ t35
     t37 = np.ones((d_K,), dtype=X.dtype)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = t36.sum((0,))
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 += oe.contract('ab,c->acb', t39, t38, optimize=[(0, 1)])
-    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
+    t30[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t34 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t36.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
-    t42 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    t41 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = np.reshape((np.reshape(t42.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t43 = np.reshape((t42 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t44 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t45 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t43.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t41[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t48 = np.swapaxes(W_Q, -1, -2)
-    t49 = (1/(d_K*n_batch)) * t48
-    t50 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t51 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.transpose(1, 0)), (n_batch, L, d_K))
-    t52 = ((np.reshape(t51, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t53 = np.einsum('abcb->abc', t47)
-    t54 = np.swapaxes(t36, -1, -2)
-    t55 = t54.sum((0,))
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t52, optimize=[(0, 1)])
-    t53 += oe.contract('ab,c->acb', t55, t38, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
-    t58 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t51, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t59 = M_3.transpose(2, 3, 0, 1)
-    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t63 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t62.transpose(1, 0)), (n_batch, L, d_K))
-    t64 = ((np.reshape(t63, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t65 = M_2.transpose(3, 2, 0, 1)
-    t61[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
-    t68 = np.swapaxes(G, -1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t71 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t67[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
-    t74 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t75 = M_2.transpose(2, 3, 0, 1)
-    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76[...] = 0
+    t40[...] = (np.reshape((np.reshape(t43, (d_K*d_V, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
+    t47 = np.swapaxes(W_Q, -1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t50 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
+    t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t52 = np.einsum('abcb->abc', t46)
+    t53 = np.swapaxes(t36, -1, -2)
+    t46[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t52 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t53.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
+    t56 = M_3.transpose(2, 3, 0, 1)
+    t57 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t50, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t55[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t61 = M_2.transpose(3, 2, 0, 1)
+    t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
+    t63 = ((np.reshape(t62, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
+    t66 = np.swapaxes(G, -1, -2)
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
+    t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
+    t72 = M_2.transpose(2, 3, 0, 1)
+    t73 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t71[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74[...] = 0
     return H
 
 
@@ -11075,7 +11045,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11103,7 +11073,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.transpose(0, 2, 3, 1)).sum()
     t47 = np.sqrt(np.maximum(t46, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t49 * t25
@@ -11187,15 +11157,15 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
-    t25 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t24, (d_K, 1, d_V)))
-    t26 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t25.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t27 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    t25 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t26 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t24, (d_K, 1, d_V)))
+    t27 = np.reshape((np.reshape(t26, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t25, (d_V, L*n_batch)) @ np.reshape(t27.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -11232,7 +11202,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11277,7 +11247,7 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11285,7 +11255,7 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t26, (d_K**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -11322,7 +11292,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11373,22 +11343,21 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
-    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t26 = ((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t25 = np.reshape((t24 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t28 = np.einsum('abcb->abc', t0)
     t29 = t21 @ X
     t30 = t2 @ t29
     t31 = np.ones((d_K,), dtype=X.dtype)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t33 = t30.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t25, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t28 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -11427,7 +11396,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -11465,7 +11434,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11482,9 +11451,9 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t20 = np.reshape((t19 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t21 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -11504,7 +11473,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -11567,16 +11536,16 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
-    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = t27 * t26.transpose(2, 0, 1)
-    t29 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t26 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
+    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t29 = t28 * t27.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t26, (d_V, L*n_batch)) @ np.reshape(t29.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -11614,7 +11583,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11660,7 +11629,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11674,9 +11643,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t32 = t2 @ t31
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = t32.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
-    t29 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t29 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -11717,7 +11685,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -11773,16 +11741,16 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
-    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t26, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t29 = M_3.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t26 = M_3.transpose(2, 3, 0, 1)
+    t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
+    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t27, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11820,7 +11788,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11855,7 +11823,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11872,10 +11840,10 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = (1/L) * t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = ((np.reshape(t21, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t23 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t21 = M_2.transpose(3, 2, 0, 1)
+    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11896,7 +11864,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -11974,14 +11942,14 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -12014,7 +11982,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12060,15 +12028,15 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = M_2.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t21 = M_2.transpose(2, 3, 0, 1)
+    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -12101,7 +12069,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12155,7 +12123,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12168,7 +12136,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -12191,7 +12159,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12199,126 +12167,124 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t40 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t41 = (np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t42 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t43 = np.reshape(t27, t27.shape[:2] + (-1,))
-    t44 = np.reshape(t41, t41.shape[:2] + (-1,))
-    t45 = np.concatenate([t43, t44], axis=-1)
-    t46 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t47 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t48 = np.concatenate([t46, t47], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t45, t48, optimize=[(0, 1)])
+    t43 = np.reshape(t27, (d_K**2, L*n_batch))
+    t44 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t45 = np.reshape(t41, (d_K**2, L*n_batch))
+    t46 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t47 = np.concatenate([t43, t45], axis=-1)
+    t48 = np.concatenate([t44, t46], axis=-2)
+    t1[...] = (np.reshape((t47 @ t48), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t51 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t52 = ((np.reshape(t51.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t53 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t54 = ((np.reshape(t51.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t55 = ((t25 @ t24)).transpose(2, 3, 0, 1)
+    t51 = np.reshape((t39 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t52 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t53 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t54 = ((t25 @ t24)).transpose(2, 3, 0, 1)
+    t55 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t56 = np.einsum('abcb->abc', t50)
     t57 = t37 @ X
     t58 = t3 @ t57
     t59 = np.ones((d_K,), dtype=X.dtype)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
-    t61 = t58.sum((0,))
-    t62 = np.reshape(t52, t52.shape[:2] + (-1,))
-    t63 = np.reshape(t54, t54.shape[:2] + (-1,))
-    t64 = np.concatenate([t62, t63], axis=-1)
-    t65 = np.reshape(t53, t53.shape[:2] + (-1,))
-    t66 = np.reshape(t55, t55.shape[:2] + (-1,))
-    t67 = np.concatenate([t65, t66], axis=-1)
-    t50[...] = oe.contract('abg,efg->aefb', t64, t67, optimize=[(0, 1)])
-    t56 += oe.contract('ab,c->acb', t61, t60, optimize=[(0, 1)])
-    t68 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69 = np.reshape(t68, (d_V, d_K, d_V, d_V), copy=False)
-    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t71 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t72 = np.reshape((np.reshape(t71.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t73 = ((t72 @ t22)).transpose(2, 3, 0, 1)
-    t74 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t75 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t61 = np.reshape(t51, (d_K*d_V, L*n_batch))
+    t62 = np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t63 = np.reshape(t54, (d_K*d_V, L*n_batch))
+    t64 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t65 = np.concatenate([t61, t63], axis=-1)
+    t66 = np.concatenate([t62, t64], axis=-2)
+    t50[...] = (np.reshape((t65 @ t66), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t56 += (np.reshape((np.reshape(t60, (d_K, 1)) * np.reshape(t58.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
+    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t70 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t69.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t71 = np.reshape((np.reshape(t70.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t72 = ((t71 @ t22)).transpose(2, 3, 0, 1)
+    t73 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t75 = np.reshape((t74 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t76 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t77 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t75.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t69[...] = oe.contract('abcd,efcd->eafb', t73, t74, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
-    t78 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t79 = np.reshape(t78, (d_V, d_K, d_V, d_K), copy=False)
-    t80 = np.swapaxes(W_Q, -1, -2)
-    t81 = (1/(d_K*n_batch)) * t80
-    t82 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t83 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t81.transpose(1, 0)), (n_batch, L, d_K))
-    t84 = ((np.reshape(t83, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t85 = (1/(L*d_K*n_batch)) * t80
-    t86 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t87 = (t22.transpose(0, 1, 3, 2) @ t86.transpose(1, 2, 0, 3))
-    t88 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t89 = (t88 @ t87)
-    t90 = (np.reshape((np.reshape(t89.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t91 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t85.transpose(1, 0)), (n_batch, L, d_K))
-    t92 = ((np.reshape(t91, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t93 = np.einsum('abcb->abc', t79)
-    t94 = np.swapaxes(t58, -1, -2)
-    t95 = t94.sum((0,))
-    t96 = np.reshape(t82, t82.shape[:2] + (-1,))
-    t97 = np.reshape(t90, t90.shape[:2] + (-1,))
-    t98 = np.concatenate([t96, t97], axis=-1)
-    t99 = np.reshape(t84, t84.shape[:2] + (-1,))
-    t100 = np.reshape(t92, t92.shape[:2] + (-1,))
-    t101 = np.concatenate([t99, t100], axis=-1)
-    t79[...] = oe.contract('abg,efg->aefb', t98, t101, optimize=[(0, 1)])
-    t93 += oe.contract('ab,c->acb', t95, t60, optimize=[(0, 1)])
-    t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t103 = np.reshape(t102, (d_V, d_K, d_V, d_K), copy=False)
-    t104 = ((np.reshape(t51.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t91, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t105 = ((t88 @ t87)).transpose(3, 2, 0, 1)
-    t106 = ((np.reshape(t51.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t83, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t107 = M_3.transpose(2, 3, 0, 1)
-    t108 = np.reshape(t104, t104.shape[:2] + (-1,))
-    t109 = np.reshape(t106, t106.shape[:2] + (-1,))
-    t110 = np.concatenate([t108, t109], axis=-1)
-    t111 = np.reshape(t105, t105.shape[:2] + (-1,))
-    t112 = np.reshape(t107, t107.shape[:2] + (-1,))
-    t113 = np.concatenate([t111, t112], axis=-1)
-    t103[...] = oe.contract('abg,efg->eafb', t110, t113, optimize=[(0, 1)])
-    t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t115 = np.reshape(t114, (d_V, d_K, d_V, d_V), copy=False)
-    t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t80
-    t117 = ((t22.transpose(0, 1, 3, 2) @ t86.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t118 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t116.transpose(1, 0)), (n_batch, L, d_K))
-    t119 = ((np.reshape(t118, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t120 = (1/(math.sqrt(d_K)*n_batch)) * t80
-    t121 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t120.transpose(1, 0)), (n_batch, L, d_K))
-    t122 = ((np.reshape(t121, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t123 = M_2.transpose(3, 2, 0, 1)
-    t115[...] = oe.contract('abcd,efcd->aefb', t117, t119, optimize=[(0, 1)])
-    t115 += oe.contract('abcd,efcd->eafb', t122, t123, optimize=[(0, 1)])
-    t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
-    t126 = np.swapaxes(G, -1, -2)
-    t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
-    t128 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t129 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t130 = np.swapaxes(M_1, -1, -2)
-    t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
-    t132 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t133 = (t132.transpose(1, 2, 3, 0) @ M_2)
-    t134 = np.reshape((np.reshape(t133, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t135 = (np.reshape((np.reshape(t134, (n_batch, L, d_V, d_K, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t136 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t125[...] = oe.contract('abcd,efcd->aefb', t128, t129, optimize=[(0, 1)])
-    t125 += oe.contract('abcd,efcd->eafb', t135, t136, optimize=[(0, 1)])
-    t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t138 = np.reshape(t137, (d_V, d_V, d_V, d_K), copy=False)
-    t139 = ((np.reshape(t51.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t140 = M_2.transpose(2, 3, 0, 1)
-    t141 = ((np.reshape(t51.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t142 = ((t88 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t138[...] = oe.contract('abcd,efcd->eafb', t139, t140, optimize=[(0, 1)])
-    t138 += oe.contract('abcd,efcd->aefb', t141, t142, optimize=[(0, 1)])
-    t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t144 = np.reshape(t143, (d_V, d_V, d_V, d_V), copy=False)
-    t145 = (1/(L*n_batch)) * t130
-    t146 = (np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t147 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t145.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t144[...] = oe.contract('abcd,efcd->eafb', t146, t147, optimize=[(0, 1)])
+    t68[...] = (np.reshape((np.reshape(t72, (d_K*d_V, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t68 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
+    t79 = np.swapaxes(W_Q, -1, -2)
+    t80 = (1/(d_K*n_batch)) * t79
+    t81 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t82 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_K))
+    t83 = ((np.reshape(t82, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t84 = (1/(L*d_K*n_batch)) * t79
+    t85 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t86 = (t22.transpose(0, 1, 3, 2) @ t85.transpose(1, 2, 0, 3))
+    t87 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t88 = (t87 @ t86)
+    t89 = (np.reshape((np.reshape(t88.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t90 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t84.transpose(1, 0)), (n_batch, L, d_K))
+    t91 = ((np.reshape(t90, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t92 = np.einsum('abcb->abc', t78)
+    t93 = np.swapaxes(t58, -1, -2)
+    t94 = np.reshape(t81, (d_K*d_V, L*n_batch))
+    t95 = np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t96 = np.reshape(t89, (d_K*d_V, L*n_batch))
+    t97 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t98 = np.concatenate([t94, t96], axis=-1)
+    t99 = np.concatenate([t95, t97], axis=-2)
+    t78[...] = (np.reshape((t98 @ t99), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t92 += (np.reshape((np.reshape(t60, (d_K, 1)) * np.reshape(t93.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t101 = np.reshape(t100, (d_V, d_K, d_V, d_K), copy=False)
+    t102 = ((t87 @ t86)).transpose(3, 2, 0, 1)
+    t103 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t90, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t104 = M_3.transpose(2, 3, 0, 1)
+    t105 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t82, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t106 = np.reshape(t102, (d_V**2, L*n_batch))
+    t107 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t108 = np.reshape(t104, (d_V**2, L*n_batch))
+    t109 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t110 = np.concatenate([t106, t108], axis=-1)
+    t111 = np.concatenate([t107, t109], axis=-2)
+    t101[...] = (np.reshape((t110 @ t111), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t113 = np.reshape(t112, (d_V, d_K, d_V, d_V), copy=False)
+    t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t115 = ((t22.transpose(0, 1, 3, 2) @ t85.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t116 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t114.transpose(1, 0)), (n_batch, L, d_K))
+    t117 = ((np.reshape(t116, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
+    t119 = M_2.transpose(3, 2, 0, 1)
+    t120 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t118.transpose(1, 0)), (n_batch, L, d_K))
+    t121 = ((np.reshape(t120, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t113[...] = (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t113 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t123 = np.reshape(t122, (d_V, d_V, d_V, d_K), copy=False)
+    t124 = np.swapaxes(G, -1, -2)
+    t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
+    t126 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t125.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t127 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t128 = np.swapaxes(M_1, -1, -2)
+    t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
+    t130 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t131 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t132 = (t131.transpose(1, 2, 3, 0) @ M_2)
+    t133 = np.reshape((np.reshape(t132, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t134 = (np.reshape((np.reshape(t133, (n_batch, L, d_V, d_K, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t123[...] = (np.reshape((np.reshape(t126, (d_V**2, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t123 += (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t136 = np.reshape(t135, (d_V, d_V, d_V, d_K), copy=False)
+    t137 = M_2.transpose(2, 3, 0, 1)
+    t138 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t125.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t139 = ((t87 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t140 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t136[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t138.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t136 += (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t142 = np.reshape(t141, (d_V, d_V, d_V, d_V), copy=False)
+    t143 = (1/(L*n_batch)) * t128
+    t144 = (np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t145 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t143.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t142[...] = (np.reshape((np.reshape(t144, (d_V**2, L*n_batch)) @ np.reshape(t145.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -12416,7 +12382,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -12426,7 +12392,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12459,7 +12425,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t44.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t44.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12639,7 +12605,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12652,17 +12618,17 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
-    t23 = (t22 @ M_2)
-    t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t25 = (t24 @ t23)
-    t26 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t27 = (X * X).transpose(2, 0, 1)
+    t20 = (X * X).transpose(2, 0, 1)
+    t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t22 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
+    t24 = (t23 @ M_2)
+    t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t26 = (t25 @ t24)
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
     F = t13
     t28 = np.exp(F - F.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
@@ -12675,16 +12641,16 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t38 = (1/(d_K*n_batch)) * t1
-    t39 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t38, (d_K, 1, d_V)))
-    t40 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t39.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t41 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t40, t41, optimize=[(0, 1)])
+    t39 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t40 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t38, (d_K, 1, d_V)))
+    t41 = np.reshape((np.reshape(t40, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t27.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t39, (d_V, L*n_batch)) @ np.reshape(t41.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -12704,7 +12670,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12717,7 +12683,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -12739,7 +12705,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12766,7 +12732,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12779,7 +12745,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -12802,7 +12768,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12810,13 +12776,13 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t40 = (np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t42 = np.reshape(t26, t26.shape[:2] + (-1,))
-    t43 = np.reshape(t40, t40.shape[:2] + (-1,))
-    t44 = np.concatenate([t42, t43], axis=-1)
-    t45 = np.reshape(t27, t27.shape[:2] + (-1,))
-    t46 = np.reshape(t41, t41.shape[:2] + (-1,))
-    t47 = np.concatenate([t45, t46], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t44, t47, optimize=[(0, 1)])
+    t42 = np.reshape(t26, (d_K**2, L*n_batch))
+    t43 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t44 = np.reshape(t40, (d_K**2, L*n_batch))
+    t45 = np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t46 = np.concatenate([t42, t44], axis=-1)
+    t47 = np.concatenate([t43, t45], axis=-2)
+    t0[...] = (np.reshape((t46 @ t47), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -12836,7 +12802,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -12846,7 +12812,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12879,7 +12845,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t44.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t44.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12933,16 +12899,16 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
-    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t26 = ((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t25 = np.reshape((t24 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12950,29 +12916,28 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA32 = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t33 = (1/(L*d_K*n_batch)) * t1
-    t34 = ((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t36 = np.reshape((np.reshape(dA32, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t37 = np.reshape((np.reshape(t36, (L*d_V*n_batch, d_V)) @ t17), (n_batch, L, d_V, d_V))
-    t38 = (t37 @ M_2)
-    t39 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t40 = ((t39 @ t38)).transpose(2, 3, 0, 1)
+    t34 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t35 = np.reshape((np.reshape(dA32, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t36 = np.reshape((np.reshape(t35, (L*d_V*n_batch, d_V)) @ t17), (n_batch, L, d_V, d_V))
+    t37 = (t36 @ M_2)
+    t38 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t39 = ((t38 @ t37)).transpose(2, 3, 0, 1)
+    t40 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t41 = np.einsum('abcb->abc', t0)
     t42 = t21 @ X
     t43 = t2 @ t42
     t44 = np.ones((d_K,), dtype=X.dtype)
     t45 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t46 = t43.sum((0,))
-    t47 = np.reshape(t26, t26.shape[:2] + (-1,))
-    t48 = np.reshape(t34, t34.shape[:2] + (-1,))
-    t49 = np.concatenate([t47, t48], axis=-1)
-    t50 = np.reshape(t27, t27.shape[:2] + (-1,))
-    t51 = np.reshape(t40, t40.shape[:2] + (-1,))
-    t52 = np.concatenate([t50, t51], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t49, t52, optimize=[(0, 1)])
-    t41 += oe.contract('ab,c->acb', t46, t45, optimize=[(0, 1)])
+    t46 = np.reshape(t25, (d_K*d_V, L*n_batch))
+    t47 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t48 = np.reshape(t39, (d_K*d_V, L*n_batch))
+    t49 = np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t50 = np.concatenate([t46, t48], axis=-1)
+    t51 = np.concatenate([t47, t49], axis=-2)
+    t0[...] = (np.reshape((t50 @ t51), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t41 += (np.reshape((np.reshape(t45, (d_K, 1)) * np.reshape(t43.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13011,7 +12976,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -13019,7 +12984,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = (t28.transpose(1, 2, 0) @ t27.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13027,7 +12992,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
     t35 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t37 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13092,7 +13057,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13105,7 +13070,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13120,10 +13085,10 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/L) * t27
     G = t28
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t30 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t31 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t30 = np.reshape((t29 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t31 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -13143,7 +13108,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -13153,7 +13118,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13207,7 +13172,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13220,17 +13185,17 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = t22 * t21.transpose(2, 0, 1)
-    t24 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t25 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
-    t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t28 = t27 * t26.transpose(2, 0, 1)
     F = t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
@@ -13243,16 +13208,16 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
-    t40 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_K))
-    t41 = t22 * t40.transpose(2, 0, 1)
-    t42 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t28, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t41, t42, optimize=[(0, 1)])
+    t40 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t41 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_K))
+    t42 = t27 * t41.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t25, (d_V, L*n_batch)) @ np.reshape(t28.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t40, (d_V, L*n_batch)) @ np.reshape(t42.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -13273,7 +13238,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13286,7 +13251,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -13308,7 +13273,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13354,7 +13319,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13363,7 +13328,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13371,7 +13336,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = (1/(L*d_K*n_batch)) * t1
     t35 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t36 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13387,15 +13352,14 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t46 = t2 @ t45
     t47 = np.ones((d_K,), dtype=X.dtype)
     t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t49 = t46.sum((0,))
-    t50 = np.reshape(t26, t26.shape[:2] + (-1,))
-    t51 = np.reshape(t40, t40.shape[:2] + (-1,))
-    t52 = np.concatenate([t50, t51], axis=-1)
-    t53 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t54 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t55 = np.concatenate([t53, t54], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t52, t55, optimize=[(0, 1)])
-    t43 += oe.contract('ab,c->acb', t49, t48, optimize=[(0, 1)])
+    t49 = np.reshape(t26, (d_K*d_V, L*n_batch))
+    t50 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t51 = np.reshape(t40, (d_K*d_V, L*n_batch))
+    t52 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t53 = np.concatenate([t49, t51], axis=-1)
+    t54 = np.concatenate([t50, t52], axis=-2)
+    t0[...] = (np.reshape((t53 @ t54), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t43 += (np.reshape((np.reshape(t48, (d_K, 1)) * np.reshape(t46.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13436,7 +13400,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -13444,7 +13408,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13452,7 +13416,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t39 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13518,7 +13482,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13531,17 +13495,17 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t21, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t24 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t25 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
-    t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t28 = ((t27 @ t26)).transpose(3, 2, 0, 1)
+    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = ((t24 @ t23)).transpose(3, 2, 0, 1)
+    t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
+    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t26, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     F = t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
@@ -13554,21 +13518,21 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
-    t40 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_K))
-    t41 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t40, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t42 = M_3.transpose(2, 3, 0, 1)
-    t43 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t44 = np.reshape(t41, t41.shape[:2] + (-1,))
-    t45 = np.concatenate([t43, t44], axis=-1)
-    t46 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t47 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t48 = np.concatenate([t46, t47], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t45, t48, optimize=[(0, 1)])
+    t40 = M_3.transpose(2, 3, 0, 1)
+    t41 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_K))
+    t42 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t41, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t43 = np.reshape(t25, (d_V**2, L*n_batch))
+    t44 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t45 = np.reshape(t40, (d_V**2, L*n_batch))
+    t46 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t47 = np.concatenate([t43, t45], axis=-1)
+    t48 = np.concatenate([t44, t46], axis=-2)
+    t0[...] = (np.reshape((t47 @ t48), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -13589,7 +13553,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -13599,7 +13563,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -13632,7 +13596,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t19.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13670,7 +13634,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13683,7 +13647,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13698,11 +13662,11 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/L) * t28
     G = t29
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t31 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
-    t32 = ((np.reshape(t31, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t33 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t24, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t31 = M_2.transpose(3, 2, 0, 1)
+    t32 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
+    t33 = ((np.reshape(t32, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -13723,7 +13687,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -13733,7 +13697,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13796,11 +13760,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
-    t18 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t18 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t18.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -13828,7 +13792,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -13865,28 +13829,28 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t23 = np.swapaxes(M_1, -1, -2)
     t24 = np.exp(t11 - t11.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA27 = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t28 = np.swapaxes(W_V, -1, -2)
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t30 = np.reshape((t28.transpose(1, 0) @ np.reshape(dA27.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t31 = (t30.transpose(1, 2, 3, 0) @ M_2)
-    t32 = np.reshape((np.reshape(t31, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t33 = (np.reshape((np.reshape(t32, (n_batch, L, d_V, d_K, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t34 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31 = np.reshape((t28.transpose(1, 0) @ np.reshape(dA27.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t32 = (t31.transpose(1, 2, 3, 0) @ M_2)
+    t33 = np.reshape((np.reshape(t32, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t34 = (np.reshape((np.reshape(t33, (n_batch, L, d_V, d_K, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -13919,7 +13883,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13934,7 +13898,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(W_V, -1, -2)
     t33 = np.reshape((np.reshape(dA31, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13985,28 +13949,28 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = M_2.transpose(2, 3, 0, 1)
+    t21 = M_2.transpose(2, 3, 0, 1)
+    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t24 = np.swapaxes(M_1, -1, -2)
     t25 = np.exp(t11 - t11.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
     t29 = np.swapaxes(W_V, -1, -2)
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t31 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t32 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t33 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t34 = ((t33 @ t32.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t34, optimize=[(0, 1)])
+    t31 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t32 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t33 = ((t32 @ t31.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t34 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -14039,7 +14003,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14054,7 +14018,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(W_V, -1, -2)
     t33 = np.reshape((np.reshape(dA31, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14100,11 +14064,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -14132,7 +14096,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14159,7 +14123,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14169,7 +14133,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14203,7 +14167,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t20 * t47
@@ -14242,7 +14206,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14252,7 +14216,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14288,7 +14252,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t46 = t45 @ X
     t47 = t1 @ t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t47.sum((0,))), (n_batch, L, d_V))
     t49 = (t48 @ X.transpose(0, 2, 1))
     t50 = np.reshape((np.reshape(t49, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -14342,7 +14306,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14352,7 +14316,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -14409,7 +14373,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14419,7 +14383,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14456,7 +14420,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
     t52 = np.reshape((np.reshape(t51.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -14510,7 +14474,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14520,7 +14484,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14554,7 +14518,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t47.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14594,7 +14558,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14604,7 +14568,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -14670,11 +14634,11 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -14739,11 +14703,11 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -14808,7 +14772,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14914,7 +14878,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -14927,7 +14891,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -14938,13 +14902,13 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t28 = (t27 @ t26)
     t29 = (np.reshape((np.reshape(t28, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t29, (d_K**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t34 = ((np.reshape(t33.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35 = ((t27 @ t26)).transpose(2, 3, 0, 1)
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t33 = ((t27 @ t26)).transpose(2, 3, 0, 1)
+    t34 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t35 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32[...] = (np.reshape((np.reshape(t33, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
@@ -14952,7 +14916,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t41 = ((t40 @ t24)).transpose(2, 3, 0, 1)
     t42 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t37[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
     t45 = np.swapaxes(W_Q, -1, -2)
@@ -14964,40 +14928,40 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t51 = (np.reshape((np.reshape(t50.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t52 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
     t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t44[...] = oe.contract('abcd,efcd->aefb', t51, t53, optimize=[(0, 1)])
+    t44[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
-    t56 = ((np.reshape(t33.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t52, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t57 = ((t49 @ t48)).transpose(3, 2, 0, 1)
-    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t56 = ((t49 @ t48)).transpose(3, 2, 0, 1)
+    t57 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t52, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t55[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t45
     t61 = ((t24.transpose(0, 1, 3, 2) @ t47.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
     t63 = ((np.reshape(t62, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t59[...] = oe.contract('abcd,efcd->aefb', t61, t63, optimize=[(0, 1)])
+    t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
     t66 = np.swapaxes(M_1, -1, -2)
     t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
-    t68 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t69 = (t68.transpose(1, 2, 3, 0) @ M_2)
-    t70 = np.reshape((np.reshape(t69, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t71 = (np.reshape((np.reshape(t70, (n_batch, L, d_V, d_K, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t72 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t65[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
+    t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t69 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t70 = (t69.transpose(1, 2, 3, 0) @ M_2)
+    t71 = np.reshape((np.reshape(t70, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t72 = (np.reshape((np.reshape(t71, (n_batch, L, d_V, d_K, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
-    t75 = ((np.reshape(t33.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t76 = ((t49 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t74[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t75 = ((t49 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t76 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t74[...] = (np.reshape((np.reshape(t75, (d_V**2, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t78 = np.reshape(t77, (d_V, d_V, d_V, d_V), copy=False)
     t79 = (1/(L*n_batch)) * t66
     t80 = (np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t81 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t79.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t78[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t78[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -15075,7 +15039,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15085,7 +15049,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15184,7 +15148,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15197,18 +15161,18 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ M_2)
-    t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t27 = (t26 @ t25)
-    t28 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t29 = (X * X).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t22 = (X * X).transpose(2, 0, 1)
+    t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t24 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
+    t26 = (t25 @ M_2)
+    t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t28 = (t27 @ t26)
+    t29 = np.reshape((np.reshape(t28.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t22, (d_V, L*n_batch)) @ np.reshape(t29.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -15230,7 +15194,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15243,7 +15207,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15276,7 +15240,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15289,7 +15253,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -15300,7 +15264,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t27 = (t26 @ t25)
     t28 = (np.reshape((np.reshape(t27, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t28, (d_K**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -15322,7 +15286,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15332,7 +15296,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15378,7 +15342,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15391,18 +15355,18 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t25 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t26 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
-    t27 = (t26 @ M_2)
-    t28 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t29 = ((t28 @ t27)).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t29, optimize=[(0, 1)])
+    t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
+    t25 = (t24 @ M_2)
+    t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t27 = ((t26 @ t25)).transpose(2, 3, 0, 1)
+    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -15424,7 +15388,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15434,7 +15398,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15480,7 +15444,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15493,14 +15457,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).transpose(2, 3, 0, 1)
     t25 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -15522,7 +15486,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15532,7 +15496,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15570,7 +15534,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15583,18 +15547,18 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = t24 * t23.transpose(2, 0, 1)
-    t26 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t27 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t28 = (t27.transpose(0, 1, 3, 2) @ t26.transpose(1, 2, 0, 3))
-    t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t30 = (np.reshape((np.reshape(t29, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t25, t30, optimize=[(0, 1)])
+    t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
+    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t30 = t29 * t28.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -15617,7 +15581,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15630,7 +15594,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15664,7 +15628,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15677,7 +15641,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -15688,7 +15652,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t28 = (np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t28, t30, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -15711,7 +15675,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15721,7 +15685,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15768,7 +15732,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15781,18 +15745,18 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t26 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t27 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t28 = (t27.transpose(0, 1, 3, 2) @ t26.transpose(1, 2, 0, 3))
-    t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t30 = ((t29 @ t28)).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t25, t30, optimize=[(0, 1)])
+    t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
+    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t27 = ((t26 @ t25)).transpose(3, 2, 0, 1)
+    t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -15815,7 +15779,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15825,7 +15789,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15872,7 +15836,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15885,14 +15849,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = ((t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t26, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -15915,7 +15879,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15925,7 +15889,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15970,11 +15934,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
-    t20 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t20 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t19, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -16004,7 +15968,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -16038,21 +16002,21 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA20.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = np.reshape((t18.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = (t23.transpose(1, 2, 3, 0) @ M_2)
-    t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t26 = (np.reshape((np.reshape(t25, (n_batch, L, d_V, d_K, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = np.reshape((t18.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t25 = (t24.transpose(1, 2, 3, 0) @ M_2)
+    t26 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t27 = (np.reshape((np.reshape(t26, (n_batch, L, d_V, d_K, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -16082,11 +16046,11 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -16131,21 +16095,21 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA20.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t27 = ((t26 @ t25.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t27, optimize=[(0, 1)])
+    t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = ((t24 @ t23.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -16175,11 +16139,11 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -16224,11 +16188,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -16258,7 +16222,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16307,7 +16271,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16315,69 +16279,67 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t29, (d_K**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t34 = ((np.reshape(t33.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t33 = np.reshape((t27 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t34 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t35 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t36 = np.einsum('abcb->abc', t32)
     t37 = t24 @ X
     t38 = t3 @ t37
     t39 = np.ones((d_K,), dtype=X.dtype)
     t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t41 = t38.sum((0,))
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 += oe.contract('ab,c->acb', t41, t40, optimize=[(0, 1)])
-    t42 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
+    t32[...] = (np.reshape((np.reshape(t33, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t36 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t38.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
-    t44 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    t43 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = np.reshape((np.reshape(t44.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t45 = np.reshape((t44 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t46 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t47 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t45.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
-    t50 = np.swapaxes(W_Q, -1, -2)
-    t51 = (1/(d_K*n_batch)) * t50
-    t52 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t53 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t51.transpose(1, 0)), (n_batch, L, d_K))
-    t54 = ((np.reshape(t53, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t55 = np.einsum('abcb->abc', t49)
-    t56 = np.swapaxes(t38, -1, -2)
-    t57 = t56.sum((0,))
-    t49[...] = oe.contract('abcd,efcd->aefb', t52, t54, optimize=[(0, 1)])
-    t55 += oe.contract('ab,c->acb', t57, t40, optimize=[(0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
-    t60 = ((np.reshape(t33.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t53, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t61 = M_3.transpose(2, 3, 0, 1)
-    t59[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t65 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t64.transpose(1, 0)), (n_batch, L, d_K))
-    t66 = ((np.reshape(t65, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t67 = M_2.transpose(3, 2, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
-    t70 = np.swapaxes(G, -1, -2)
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t72 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t73 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t69[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t75 = np.reshape(t74, (d_V, d_V, d_V, d_K), copy=False)
-    t76 = ((np.reshape(t33.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t77 = M_2.transpose(2, 3, 0, 1)
-    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78[...] = 0
+    t42[...] = (np.reshape((np.reshape(t45, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = np.swapaxes(W_Q, -1, -2)
+    t50 = (1/(d_K*n_batch)) * t49
+    t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t52 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t50.transpose(1, 0)), (n_batch, L, d_K))
+    t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t54 = np.einsum('abcb->abc', t48)
+    t55 = np.swapaxes(t38, -1, -2)
+    t48[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t54 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t55.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
+    t58 = M_3.transpose(2, 3, 0, 1)
+    t59 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t52, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t57[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t63 = M_2.transpose(3, 2, 0, 1)
+    t64 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t62.transpose(1, 0)), (n_batch, L, d_K))
+    t65 = ((np.reshape(t64, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t61[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
+    t68 = np.swapaxes(G, -1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
+    t74 = M_2.transpose(2, 3, 0, 1)
+    t75 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t73[...] = (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t76[...] = 0
     return H
 
 
@@ -16484,7 +16446,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16512,7 +16474,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t48 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t42 * t40).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
     t49 = np.sqrt(np.maximum(t48, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t51 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t52 = t51 * t27
@@ -16598,15 +16560,15 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
-    t27 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t26, (d_K, 1, d_V)))
-    t28 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t27.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t29 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t27 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t28 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t26, (d_K, 1, d_V)))
+    t29 = np.reshape((np.reshape(t28, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t29.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -16645,7 +16607,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16692,7 +16654,7 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16700,7 +16662,7 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t28 = (np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t28, (d_K**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -16739,7 +16701,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16792,22 +16754,21 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
-    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t27 = np.reshape((t26 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t30 = np.einsum('abcb->abc', t0)
     t31 = t23 @ X
     t32 = t2 @ t31
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = t32.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
-    t30 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t30 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -16848,7 +16809,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -16888,7 +16849,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16905,9 +16866,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t20 = (1/L) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t22 = np.reshape((t21 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t23 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -16929,7 +16890,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -16994,16 +16955,16 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
-    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t30 = t29 * t28.transpose(2, 0, 1)
-    t31 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    t28 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
+    t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t31 = t30 * t29.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t28, (d_V, L*n_batch)) @ np.reshape(t31.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -17043,7 +17004,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17091,7 +17052,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17105,9 +17066,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t34 = t2 @ t33
     t35 = np.ones((d_K,), dtype=X.dtype)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = t34.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t28, t30, optimize=[(0, 1)])
-    t31 += oe.contract('ab,c->acb', t37, t36, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t31 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -17150,7 +17110,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t26 = np.swapaxes(W_Q, -1, -2)
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
     t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -17208,16 +17168,16 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
-    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t31 = M_3.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t28 = M_3.transpose(2, 3, 0, 1)
+    t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
+    t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t31 = ((np.reshape(t30.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -17257,7 +17217,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17294,7 +17254,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17311,10 +17271,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t21 = (1/L) * t20
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t25 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t23 = M_2.transpose(3, 2, 0, 1)
+    t24 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -17337,7 +17297,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -17417,14 +17377,14 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -17459,7 +17419,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17507,15 +17467,15 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = M_2.transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t23 = M_2.transpose(2, 3, 0, 1)
+    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -17550,7 +17510,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17606,7 +17566,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17619,7 +17579,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -17642,7 +17602,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17650,126 +17610,124 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t42 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t43 = (np.reshape((np.reshape(t42.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t45 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t46 = np.reshape(t43, t43.shape[:2] + (-1,))
-    t47 = np.concatenate([t45, t46], axis=-1)
-    t48 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t49 = np.reshape(t44, t44.shape[:2] + (-1,))
-    t50 = np.concatenate([t48, t49], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t47, t50, optimize=[(0, 1)])
+    t45 = np.reshape(t29, (d_K**2, L*n_batch))
+    t46 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t47 = np.reshape(t43, (d_K**2, L*n_batch))
+    t48 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t49 = np.concatenate([t45, t47], axis=-1)
+    t50 = np.concatenate([t46, t48], axis=-2)
+    t1[...] = (np.reshape((t49 @ t50), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t53 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t54 = ((np.reshape(t53.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t55 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t56 = ((np.reshape(t53.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t57 = ((t27 @ t26)).transpose(2, 3, 0, 1)
+    t53 = np.reshape((t41 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t54 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t55 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t56 = ((t27 @ t26)).transpose(2, 3, 0, 1)
+    t57 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t58 = np.einsum('abcb->abc', t52)
     t59 = t39 @ X
     t60 = t3 @ t59
     t61 = np.ones((d_K,), dtype=X.dtype)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = t60.sum((0,))
-    t64 = np.reshape(t54, t54.shape[:2] + (-1,))
-    t65 = np.reshape(t56, t56.shape[:2] + (-1,))
-    t66 = np.concatenate([t64, t65], axis=-1)
-    t67 = np.reshape(t55, t55.shape[:2] + (-1,))
-    t68 = np.reshape(t57, t57.shape[:2] + (-1,))
-    t69 = np.concatenate([t67, t68], axis=-1)
-    t52[...] = oe.contract('abg,efg->aefb', t66, t69, optimize=[(0, 1)])
-    t58 += oe.contract('ab,c->acb', t63, t62, optimize=[(0, 1)])
-    t70 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71 = np.reshape(t70, (d_V, d_K, d_V, d_V), copy=False)
-    t72 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t73 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t72.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t74 = np.reshape((np.reshape(t73.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t75 = ((t74 @ t24)).transpose(2, 3, 0, 1)
-    t76 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t77 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t63 = np.reshape(t53, (d_K*d_V, L*n_batch))
+    t64 = np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t65 = np.reshape(t56, (d_K*d_V, L*n_batch))
+    t66 = np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t67 = np.concatenate([t63, t65], axis=-1)
+    t68 = np.concatenate([t64, t66], axis=-2)
+    t52[...] = (np.reshape((t67 @ t68), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t58 += (np.reshape((np.reshape(t62, (d_K, 1)) * np.reshape(t60.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70 = np.reshape(t69, (d_V, d_K, d_V, d_V), copy=False)
+    t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t72 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t74 = ((t73 @ t24)).transpose(2, 3, 0, 1)
+    t75 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t77 = np.reshape((t76 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t78 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t79 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t77.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t71[...] = oe.contract('abcd,efcd->eafb', t75, t76, optimize=[(0, 1)])
-    t71 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
-    t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
-    t82 = np.swapaxes(W_Q, -1, -2)
-    t83 = (1/(d_K*n_batch)) * t82
-    t84 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t85 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t83.transpose(1, 0)), (n_batch, L, d_K))
-    t86 = ((np.reshape(t85, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t87 = (1/(L*d_K*n_batch)) * t82
-    t88 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t89 = (t24.transpose(0, 1, 3, 2) @ t88.transpose(1, 2, 0, 3))
-    t90 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t91 = (t90 @ t89)
-    t92 = (np.reshape((np.reshape(t91.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t93 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t87.transpose(1, 0)), (n_batch, L, d_K))
-    t94 = ((np.reshape(t93, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t95 = np.einsum('abcb->abc', t81)
-    t96 = np.swapaxes(t60, -1, -2)
-    t97 = t96.sum((0,))
-    t98 = np.reshape(t84, t84.shape[:2] + (-1,))
-    t99 = np.reshape(t92, t92.shape[:2] + (-1,))
-    t100 = np.concatenate([t98, t99], axis=-1)
-    t101 = np.reshape(t86, t86.shape[:2] + (-1,))
-    t102 = np.reshape(t94, t94.shape[:2] + (-1,))
-    t103 = np.concatenate([t101, t102], axis=-1)
-    t81[...] = oe.contract('abg,efg->aefb', t100, t103, optimize=[(0, 1)])
-    t95 += oe.contract('ab,c->acb', t97, t62, optimize=[(0, 1)])
-    t104 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t105 = np.reshape(t104, (d_V, d_K, d_V, d_K), copy=False)
-    t106 = ((np.reshape(t53.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t93, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t107 = ((t90 @ t89)).transpose(3, 2, 0, 1)
-    t108 = ((np.reshape(t53.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t85, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t109 = M_3.transpose(2, 3, 0, 1)
-    t110 = np.reshape(t106, t106.shape[:2] + (-1,))
-    t111 = np.reshape(t108, t108.shape[:2] + (-1,))
-    t112 = np.concatenate([t110, t111], axis=-1)
-    t113 = np.reshape(t107, t107.shape[:2] + (-1,))
-    t114 = np.reshape(t109, t109.shape[:2] + (-1,))
-    t115 = np.concatenate([t113, t114], axis=-1)
-    t105[...] = oe.contract('abg,efg->eafb', t112, t115, optimize=[(0, 1)])
-    t116 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t117 = np.reshape(t116, (d_V, d_K, d_V, d_V), copy=False)
-    t118 = (1/(L*math.sqrt(d_K)*n_batch)) * t82
-    t119 = ((t24.transpose(0, 1, 3, 2) @ t88.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t120 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t118.transpose(1, 0)), (n_batch, L, d_K))
-    t121 = ((np.reshape(t120, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t122 = (1/(math.sqrt(d_K)*n_batch)) * t82
-    t123 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t122.transpose(1, 0)), (n_batch, L, d_K))
-    t124 = ((np.reshape(t123, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t125 = M_2.transpose(3, 2, 0, 1)
-    t117[...] = oe.contract('abcd,efcd->aefb', t119, t121, optimize=[(0, 1)])
-    t117 += oe.contract('abcd,efcd->eafb', t124, t125, optimize=[(0, 1)])
-    t126 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t127 = np.reshape(t126, (d_V, d_V, d_V, d_K), copy=False)
-    t128 = np.swapaxes(G, -1, -2)
-    t129 = (1/(math.sqrt(d_K)*n_batch)) * t128
-    t130 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t131 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t132 = np.swapaxes(M_1, -1, -2)
-    t133 = (1/(L*math.sqrt(d_K)*n_batch)) * t132
-    t134 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t135 = (t134.transpose(1, 2, 3, 0) @ M_2)
-    t136 = np.reshape((np.reshape(t135, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t137 = (np.reshape((np.reshape(t136, (n_batch, L, d_V, d_K, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t138 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t133.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t127[...] = oe.contract('abcd,efcd->aefb', t130, t131, optimize=[(0, 1)])
-    t127 += oe.contract('abcd,efcd->eafb', t137, t138, optimize=[(0, 1)])
-    t139 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t140 = np.reshape(t139, (d_V, d_V, d_V, d_K), copy=False)
-    t141 = ((np.reshape(t53.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t142 = M_2.transpose(2, 3, 0, 1)
-    t143 = ((np.reshape(t53.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t133.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t144 = ((t90 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t140[...] = oe.contract('abcd,efcd->eafb', t141, t142, optimize=[(0, 1)])
-    t140 += oe.contract('abcd,efcd->aefb', t143, t144, optimize=[(0, 1)])
-    t145 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t146 = np.reshape(t145, (d_V, d_V, d_V, d_V), copy=False)
-    t147 = (1/(L*n_batch)) * t132
-    t148 = (np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t149 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t147.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t146[...] = oe.contract('abcd,efcd->eafb', t148, t149, optimize=[(0, 1)])
+    t70[...] = (np.reshape((np.reshape(t74, (d_K*d_V, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t70 += (np.reshape((np.reshape(t77, (d_K*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t80 = np.reshape(t79, (d_V, d_K, d_V, d_K), copy=False)
+    t81 = np.swapaxes(W_Q, -1, -2)
+    t82 = (1/(d_K*n_batch)) * t81
+    t83 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t84 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t82.transpose(1, 0)), (n_batch, L, d_K))
+    t85 = ((np.reshape(t84, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t86 = (1/(L*d_K*n_batch)) * t81
+    t87 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t88 = (t24.transpose(0, 1, 3, 2) @ t87.transpose(1, 2, 0, 3))
+    t89 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t90 = (t89 @ t88)
+    t91 = (np.reshape((np.reshape(t90.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t92 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t86.transpose(1, 0)), (n_batch, L, d_K))
+    t93 = ((np.reshape(t92, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t94 = np.einsum('abcb->abc', t80)
+    t95 = np.swapaxes(t60, -1, -2)
+    t96 = np.reshape(t83, (d_K*d_V, L*n_batch))
+    t97 = np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t98 = np.reshape(t91, (d_K*d_V, L*n_batch))
+    t99 = np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t100 = np.concatenate([t96, t98], axis=-1)
+    t101 = np.concatenate([t97, t99], axis=-2)
+    t80[...] = (np.reshape((t100 @ t101), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t94 += (np.reshape((np.reshape(t62, (d_K, 1)) * np.reshape(t95.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t103 = np.reshape(t102, (d_V, d_K, d_V, d_K), copy=False)
+    t104 = ((t89 @ t88)).transpose(3, 2, 0, 1)
+    t105 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t92, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t106 = M_3.transpose(2, 3, 0, 1)
+    t107 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t84, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t108 = np.reshape(t104, (d_V**2, L*n_batch))
+    t109 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t110 = np.reshape(t106, (d_V**2, L*n_batch))
+    t111 = np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t112 = np.concatenate([t108, t110], axis=-1)
+    t113 = np.concatenate([t109, t111], axis=-2)
+    t103[...] = (np.reshape((t112 @ t113), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t115 = np.reshape(t114, (d_V, d_K, d_V, d_V), copy=False)
+    t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
+    t117 = ((t24.transpose(0, 1, 3, 2) @ t87.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
+    t118 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t116.transpose(1, 0)), (n_batch, L, d_K))
+    t119 = ((np.reshape(t118, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
+    t121 = M_2.transpose(3, 2, 0, 1)
+    t122 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t120.transpose(1, 0)), (n_batch, L, d_K))
+    t123 = ((np.reshape(t122, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t115[...] = (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t115 += (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t123.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
+    t126 = np.swapaxes(G, -1, -2)
+    t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
+    t128 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t129 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t130 = np.swapaxes(M_1, -1, -2)
+    t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
+    t132 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t133 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t134 = (t133.transpose(1, 2, 3, 0) @ M_2)
+    t135 = np.reshape((np.reshape(t134, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t136 = (np.reshape((np.reshape(t135, (n_batch, L, d_V, d_K, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t125 += (np.reshape((np.reshape(t132, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t138 = np.reshape(t137, (d_V, d_V, d_V, d_K), copy=False)
+    t139 = M_2.transpose(2, 3, 0, 1)
+    t140 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t141 = ((t89 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t142 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t138[...] = (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t138 += (np.reshape((np.reshape(t141, (d_V**2, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t144 = np.reshape(t143, (d_V, d_V, d_V, d_V), copy=False)
+    t145 = (1/(L*n_batch)) * t130
+    t146 = (np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t147 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t145.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t144[...] = (np.reshape((np.reshape(t146, (d_V**2, L*n_batch)) @ np.reshape(t147.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -17871,7 +17829,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -17881,7 +17839,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -17914,7 +17872,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18096,7 +18054,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18109,17 +18067,17 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ M_2)
-    t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t27 = (t26 @ t25)
-    t28 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
-    t29 = (X * X).transpose(2, 0, 1)
+    t22 = (X * X).transpose(2, 0, 1)
+    t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t24 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
+    t26 = (t25 @ M_2)
+    t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t28 = (t27 @ t26)
+    t29 = np.reshape((np.reshape(t28.transpose(2, 0, 1, 3), (d_K, L*n_batch, d_V)) @ np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1))), (d_K, n_batch, L))
     F = t15
     t30 = np.exp(F - F.max(-1, keepdims=True))
     A31 = t30 / t30.sum(-1, keepdims=True)
@@ -18132,16 +18090,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t1
-    t41 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t40, (d_K, 1, d_V)))
-    t42 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*n_batch, d_V**2)) @ np.reshape(t41.transpose(1, 2, 0), (d_V**2, d_K))), (n_batch, L, d_K))).transpose(2, 0, 1)
-    t43 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t42, t43, optimize=[(0, 1)])
+    t41 = (X * t2.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t42 = (np.reshape(W_K.transpose(1, 0), (d_K, d_V, 1)) * np.reshape(t40, (d_K, 1, d_V)))
+    t43 = np.reshape((np.reshape(t42, (d_K, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t22, (d_V, L*n_batch)) @ np.reshape(t29.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t41, (d_V, L*n_batch)) @ np.reshape(t43.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -18163,7 +18121,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18176,7 +18134,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18198,7 +18156,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18227,7 +18185,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18240,7 +18198,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -18263,7 +18221,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18271,13 +18229,13 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t41 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t42 = (np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t43 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t44 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t45 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t46 = np.concatenate([t44, t45], axis=-1)
-    t47 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t48 = np.reshape(t43, t43.shape[:2] + (-1,))
-    t49 = np.concatenate([t47, t48], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t46, t49, optimize=[(0, 1)])
+    t44 = np.reshape(t28, (d_K**2, L*n_batch))
+    t45 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t46 = np.reshape(t42, (d_K**2, L*n_batch))
+    t47 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t48 = np.concatenate([t44, t46], axis=-1)
+    t49 = np.concatenate([t45, t47], axis=-2)
+    t0[...] = (np.reshape((t48 @ t49), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -18299,7 +18257,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -18309,7 +18267,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18342,7 +18300,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18398,16 +18356,16 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
-    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29 = (np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t27 = np.reshape((t26 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18415,29 +18373,28 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
     t35 = (1/(L*d_K*n_batch)) * t1
-    t36 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t35.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t38 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t39 = np.reshape((np.reshape(t38, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
-    t40 = (t39 @ M_2)
-    t41 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
-    t42 = ((t41 @ t40)).transpose(2, 3, 0, 1)
+    t36 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t35.transpose(1, 0)), (n_batch, L, d_V, d_K))
+    t37 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t38 = np.reshape((np.reshape(t37, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
+    t39 = (t38 @ M_2)
+    t40 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
+    t41 = ((t40 @ t39)).transpose(2, 3, 0, 1)
+    t42 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t43 = np.einsum('abcb->abc', t0)
     t44 = t23 @ X
     t45 = t2 @ t44
     t46 = np.ones((d_K,), dtype=X.dtype)
     t47 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t48 = t45.sum((0,))
-    t49 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t50 = np.reshape(t36, t36.shape[:2] + (-1,))
-    t51 = np.concatenate([t49, t50], axis=-1)
-    t52 = np.reshape(t29, t29.shape[:2] + (-1,))
-    t53 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t54 = np.concatenate([t52, t53], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t51, t54, optimize=[(0, 1)])
-    t43 += oe.contract('ab,c->acb', t48, t47, optimize=[(0, 1)])
+    t48 = np.reshape(t27, (d_K*d_V, L*n_batch))
+    t49 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t50 = np.reshape(t41, (d_K*d_V, L*n_batch))
+    t51 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t52 = np.concatenate([t48, t50], axis=-1)
+    t53 = np.concatenate([t49, t51], axis=-2)
+    t0[...] = (np.reshape((t52 @ t53), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t43 += (np.reshape((np.reshape(t47, (d_K, 1)) * np.reshape(t45.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -18478,7 +18435,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -18486,7 +18443,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18494,7 +18451,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t39 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18561,7 +18518,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18574,7 +18531,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18589,10 +18546,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/L) * t29
     G = t30
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t32 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t33 = (np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t32 = np.reshape((t31 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
+    t33 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t32, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -18614,7 +18571,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -18624,7 +18581,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18680,7 +18637,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18693,17 +18650,17 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = t24 * t23.transpose(2, 0, 1)
-    t26 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t27 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t28 = (t27.transpose(0, 1, 3, 2) @ t26.transpose(1, 2, 0, 3))
-    t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t30 = (np.reshape((np.reshape(t29, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
+    t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
+    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t30 = t29 * t28.transpose(2, 0, 1)
     F = t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
     A32 = t31 / t31.sum(-1, keepdims=True)
@@ -18716,16 +18673,16 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
-    t42 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_K))
-    t43 = t24 * t42.transpose(2, 0, 1)
-    t44 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t25, t30, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t43, t44, optimize=[(0, 1)])
+    t42 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
+    t43 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_K))
+    t44 = t29 * t43.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K)))
+    t0 += (np.reshape(t42, (d_V, L*n_batch)) @ np.reshape(t44.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -18748,7 +18705,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18761,7 +18718,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18783,7 +18740,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18831,7 +18788,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18840,7 +18797,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
     t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18848,7 +18805,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A33 = t32 / t32.sum(-1, keepdims=True)
     t34 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = (np.reshape((np.reshape(t34, (d_V, d_V, 1)) * np.reshape(A33.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA35 = (np.reshape((np.reshape(t34, (d_V, d_V, 1)) * np.reshape(A33.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
     t36 = (1/(L*d_K*n_batch)) * t1
     t37 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t38 = np.reshape((np.reshape(dA35, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18864,15 +18821,14 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t48 = t2 @ t47
     t49 = np.ones((d_K,), dtype=X.dtype)
     t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t51 = t48.sum((0,))
-    t52 = np.reshape(t28, t28.shape[:2] + (-1,))
-    t53 = np.reshape(t42, t42.shape[:2] + (-1,))
-    t54 = np.concatenate([t52, t53], axis=-1)
-    t55 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t56 = np.reshape(t44, t44.shape[:2] + (-1,))
-    t57 = np.concatenate([t55, t56], axis=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t54, t57, optimize=[(0, 1)])
-    t45 += oe.contract('ab,c->acb', t51, t50, optimize=[(0, 1)])
+    t51 = np.reshape(t28, (d_K*d_V, L*n_batch))
+    t52 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t53 = np.reshape(t42, (d_K*d_V, L*n_batch))
+    t54 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t55 = np.concatenate([t51, t53], axis=-1)
+    t56 = np.concatenate([t52, t54], axis=-2)
+    t0[...] = (np.reshape((t55 @ t56), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t45 += (np.reshape((np.reshape(t50, (d_K, 1)) * np.reshape(t48.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -18915,7 +18871,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = np.swapaxes(W_Q, -1, -2)
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
     t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -18923,7 +18879,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t33 = (t32.transpose(1, 2, 0) @ t31.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18931,7 +18887,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A36 = t35 / t35.sum(-1, keepdims=True)
     t37 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (np.reshape((np.reshape(t37, (d_V, d_V, 1)) * np.reshape(A36.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA38 = (np.reshape((np.reshape(t37, (d_V, d_V, 1)) * np.reshape(A36.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
     t39 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t25.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t40 = np.reshape((np.reshape(t39, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t41 = np.reshape((np.reshape(dA38, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18999,7 +18955,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19012,17 +18968,17 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t26 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t27 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t28 = (t27.transpose(0, 1, 3, 2) @ t26.transpose(1, 2, 0, 3))
-    t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t30 = ((t29 @ t28)).transpose(3, 2, 0, 1)
+    t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
+    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t27 = ((t26 @ t25)).transpose(3, 2, 0, 1)
+    t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
+    t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     F = t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
     A32 = t31 / t31.sum(-1, keepdims=True)
@@ -19035,21 +18991,21 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
-    t42 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_K))
-    t43 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t42, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t44 = M_3.transpose(2, 3, 0, 1)
-    t45 = np.reshape(t25, t25.shape[:2] + (-1,))
-    t46 = np.reshape(t43, t43.shape[:2] + (-1,))
-    t47 = np.concatenate([t45, t46], axis=-1)
-    t48 = np.reshape(t30, t30.shape[:2] + (-1,))
-    t49 = np.reshape(t44, t44.shape[:2] + (-1,))
-    t50 = np.concatenate([t48, t49], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t47, t50, optimize=[(0, 1)])
+    t42 = M_3.transpose(2, 3, 0, 1)
+    t43 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_K))
+    t44 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t43, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t45 = np.reshape(t27, (d_V**2, L*n_batch))
+    t46 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t47 = np.reshape(t42, (d_V**2, L*n_batch))
+    t48 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t49 = np.concatenate([t45, t47], axis=-1)
+    t50 = np.concatenate([t46, t48], axis=-2)
+    t0[...] = (np.reshape((t49 @ t50), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -19072,7 +19028,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19082,7 +19038,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19115,7 +19071,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t21.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19155,7 +19111,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19168,7 +19124,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19183,11 +19139,11 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/L) * t30
     G = t31
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t33 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_K))
-    t34 = ((np.reshape(t33, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t35 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t26, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t33 = M_2.transpose(3, 2, 0, 1)
+    t34 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_K))
+    t35 = ((np.reshape(t34, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -19210,7 +19166,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19220,7 +19176,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19285,11 +19241,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
-    t20 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t20 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t19, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -19319,7 +19275,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -19358,28 +19314,28 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t25 = np.swapaxes(M_1, -1, -2)
     t26 = np.exp(t13 - t13.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA29 = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
     t30 = np.swapaxes(W_V, -1, -2)
     t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t32 = np.reshape((t30.transpose(1, 0) @ np.reshape(dA29.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t33 = (t32.transpose(1, 2, 3, 0) @ M_2)
-    t34 = np.reshape((np.reshape(t33, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t35 = (np.reshape((np.reshape(t34, (n_batch, L, d_V, d_K, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = np.reshape((t30.transpose(1, 0) @ np.reshape(dA29.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t34 = (t33.transpose(1, 2, 3, 0) @ M_2)
+    t35 = np.reshape((np.reshape(t34, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
+    t36 = (np.reshape((np.reshape(t35, (n_batch, L, d_V, d_K, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t0 += (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -19414,7 +19370,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19429,7 +19385,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = np.swapaxes(W_V, -1, -2)
     t35 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t36 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19482,28 +19438,28 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = M_2.transpose(2, 3, 0, 1)
+    t23 = M_2.transpose(2, 3, 0, 1)
+    t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t26 = np.swapaxes(M_1, -1, -2)
     t27 = np.exp(t13 - t13.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = (np.reshape((np.reshape(t29, (d_V, d_V, 1)) * np.reshape(A28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA30 = (np.reshape((np.reshape(t29, (d_V, d_V, 1)) * np.reshape(A28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
     t31 = np.swapaxes(W_V, -1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
-    t33 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34 = np.reshape((np.reshape(dA30, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t35 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t36 = ((t35 @ t34.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t36, optimize=[(0, 1)])
+    t33 = np.reshape((np.reshape(dA30, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t34 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t35 = ((t34 @ t33.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t36 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -19538,7 +19494,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19553,7 +19509,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = np.swapaxes(W_V, -1, -2)
     t35 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t36 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19601,11 +19557,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -19635,7 +19591,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19664,7 +19620,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19674,7 +19630,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19708,7 +19664,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t22 * t49
@@ -19749,7 +19705,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19759,7 +19715,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19795,7 +19751,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
     t52 = np.reshape((np.reshape(t51, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -19851,7 +19807,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19861,7 +19817,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19920,7 +19876,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19930,7 +19886,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19967,7 +19923,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t50 = t49 @ X
     t51 = t1 @ t50
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t52 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t51.sum((0,))), (n_batch, L, d_V))
     t53 = (t52 @ X.transpose(0, 2, 1))
     t54 = np.reshape((np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -20023,7 +19979,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -20033,7 +19989,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20067,7 +20023,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t47 = t46 - (A * t46).sum(-1, keepdims=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t51 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t49.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -20109,7 +20065,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -20119,7 +20075,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -20187,11 +20143,11 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -20258,11 +20214,11 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -20329,7 +20285,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))

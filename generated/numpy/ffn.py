@@ -99,8 +99,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t25 = t18 @ t13
     t26 = np.ones((d_V,), dtype=X.dtype)
     t27 = (2/(L*d_V*n_batch)) * t26
-    t28 = t25.sum((0,))
-    t24 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
+    t24 += (np.reshape((np.reshape(t27, (d_V, 1)) * np.reshape(t25.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
     return H
 
 
@@ -312,8 +311,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).transpose(1, 0)
     return out
 
 
@@ -400,8 +398,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
     return out
 
 
@@ -448,7 +445,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t11 = (1/n_batch) * t4
     t12 = G.transpose(2, 0, 1)
     t13 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t3 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
+    t3 += np.reshape((np.reshape(t13, (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
     t15 = np.reshape(t14, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -459,7 +456,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t20 = (1/n_batch) * t17
     t21 = X.transpose(2, 0, 1)
     t22 = ((np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t16 += oe.contract('abc,debc->dea', t21, t22, optimize=[(0, 1)])
+    t16 += np.reshape((np.reshape(t22, (d_V*d_ff, L*n_batch)) @ np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     return H
@@ -588,7 +585,7 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = (1/n_batch) * t2
     t10 = G.transpose(2, 0, 1)
     t11 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1 += oe.contract('abc,debc->dea', t10, t11, optimize=[(0, 1)])
+    t1 += np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     return out
 
 
@@ -660,7 +657,7 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t11 = (1/n_batch) * t7
     t12 = X.transpose(2, 0, 1)
     t13 = ((np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t1 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
+    t1 += np.reshape((np.reshape(t13, (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     return out
 
 
@@ -743,7 +740,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t20 = G.transpose(2, 0, 1)
     t21 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t12[...] = (np.reshape((np.reshape(t14, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
-    t15 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t15 += np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     t22 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t23 = np.reshape(t22, (d_ff, d_V, d_V, d_ff), copy=False)
     t24 = np.swapaxes(t3, -1, -2)
@@ -758,7 +755,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t33 = X.transpose(2, 0, 1)
     t34 = ((np.reshape(t31.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t23[...] = (np.reshape((np.reshape(t28, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
-    t29 += oe.contract('abc,debc->dea', t33, t34, optimize=[(0, 1)])
+    t29 += np.reshape((np.reshape(t34, (d_V*d_ff, L*n_batch)) @ np.reshape(t33.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     t35 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t35[...] = 0
     t36 = np.reshape(t35, (d_ff, d_V, d_ff, d_V), copy=False)
@@ -766,8 +763,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t38 = t25 @ t13
     t39 = np.ones((d_V,), dtype=X.dtype)
     t40 = (2/(L*d_V*n_batch)) * t39
-    t41 = t38.sum((0,))
-    t37 += oe.contract('ab,c->acb', t41, t40, optimize=[(0, 1)])
+    t37 += (np.reshape((np.reshape(t40, (d_V, 1)) * np.reshape(t38.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
     return H
 
 
@@ -980,7 +976,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t13 = G.transpose(2, 0, 1)
     t14 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t7, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
-    t8 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
+    t8 += np.reshape((np.reshape(t14, (d_V*d_ff, L*n_batch)) @ np.reshape(t13.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     return out
 
 
@@ -1034,8 +1030,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).transpose(1, 0)
     return out
 
 
@@ -1086,7 +1081,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t19 = X.transpose(2, 0, 1)
     t20 = ((np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t11, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
-    t12 += oe.contract('abc,debc->dea', t19, t20, optimize=[(0, 1)])
+    t12 += np.reshape((np.reshape(t20, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     return out
 
 
@@ -1148,8 +1143,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
     return out
 
 
@@ -1426,23 +1420,23 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
-    t19 = X.transpose(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t13 = X.transpose(2, 0, 1)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t18 = np.reshape((np.reshape(t16, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t19 = ((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t19.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
-    t22 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t23 = ((np.reshape(t16, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
-    t24 = t7.transpose(2, 0, 1)
-    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
+    t22 = t7.transpose(2, 0, 1)
+    t23 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t24 = ((np.reshape(t17, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t21[...] = (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t24.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
     t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
     t27 = np.swapaxes(t3, -1, -2)
@@ -1452,12 +1446,12 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t31 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t32 = np.reshape((np.reshape(t30, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
     t33 = ((np.reshape(t32.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t31, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
-    t26[...] = oe.contract('abcde,fde->abfc', t33, t19, optimize=[(0, 1)])
+    t26[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t33.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
     t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t35 = np.reshape(t34, (d_ff, d_V, d_ff, d_V), copy=False)
     t36 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t37 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t35[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -1513,7 +1507,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -1569,16 +1563,16 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.transpose(0, 2, 1)
     t13 = t3 * t3
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = ((np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
-    t16 = (np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
-    t0[...] = (np.reshape((np.reshape(t17, (d_ff, 1, L*n_batch)) @ np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V))), (d_ff, d_V))).transpose(1, 0)
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (d_ff, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    t0[...] = (np.reshape((np.reshape(t14.transpose(1, 0, 2, 3), (d_ff, d_V, L*n_batch)) @ np.reshape(t17, (d_ff, L*n_batch, 1))), (d_ff, d_V))).transpose(1, 0)
     return out
 
 
@@ -1599,7 +1593,7 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
@@ -1629,17 +1623,17 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t13 = np.reshape((np.reshape(t12, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
-    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t15 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t16 = np.reshape((np.reshape(t14, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = ((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t15, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
-    t18 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t12 = X.transpose(2, 0, 1)
+    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t18.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -1660,7 +1654,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -1696,14 +1690,14 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t13 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t14 = ((np.reshape(t13, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
-    t15 = t6.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
+    t11 = t6.transpose(2, 0, 1)
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t14 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t15 = ((np.reshape(t14, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t11, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -1724,7 +1718,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1758,11 +1752,11 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
-    t14 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t13 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -1785,7 +1779,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -1812,17 +1806,17 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
-    t17 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t18 = np.reshape((np.reshape(t16, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t19 = ((np.reshape(t18.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
-    t20 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
+    t16 = X.transpose(2, 0, 1)
+    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
+    t18 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t19 = np.reshape((np.reshape(t17, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
+    t20 = ((np.reshape(t19.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t18, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t20.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -1845,7 +1839,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
@@ -1882,11 +1876,11 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -1909,7 +1903,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1950,7 +1944,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t15 = (1/n_batch) * t4
     t16 = G.transpose(2, 0, 1)
     t17 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t3 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
+    t3 += np.reshape((np.reshape(t17, (d_V*d_ff, L*n_batch)) @ np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
     t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -1961,7 +1955,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t24 = (1/n_batch) * t21
     t25 = X.transpose(2, 0, 1)
     t26 = ((np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t20 += oe.contract('abc,debc->dea', t25, t26, optimize=[(0, 1)])
+    t20 += np.reshape((np.reshape(t26, (d_V*d_ff, L*n_batch)) @ np.reshape(t25.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
     return H
@@ -2105,7 +2099,7 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t13 = (1/n_batch) * t2
     t14 = G.transpose(2, 0, 1)
     t15 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
+    t1 += np.reshape((np.reshape(t15, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     return out
 
 
@@ -2187,7 +2181,7 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t15 = (1/n_batch) * t11
     t16 = X.transpose(2, 0, 1)
     t17 = ((np.reshape(t14.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
+    t1 += np.reshape((np.reshape(t17, (d_V*d_ff, L*n_batch)) @ np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     return out
 
 
@@ -2262,22 +2256,22 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
-    t19 = X.transpose(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t13 = X.transpose(2, 0, 1)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t18 = np.reshape((np.reshape(t16, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t19 = ((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t19.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
-    t22 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t23 = ((np.reshape(t16, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
-    t24 = t7.transpose(2, 0, 1)
+    t22 = t7.transpose(2, 0, 1)
+    t23 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t24 = ((np.reshape(t17, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
     t25 = np.einsum('abbc->abc', t21)
     F = t8
     t26 = np.exp(F - F.max(-1, keepdims=True))
@@ -2289,8 +2283,8 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t31 = (1/n_batch) * t2
     t32 = G.transpose(2, 0, 1)
     t33 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('abc,debc->dea', t32, t33, optimize=[(0, 1)])
+    t21[...] = (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t24.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
+    t25 += np.reshape((np.reshape(t33, (d_V*d_ff, L*n_batch)) @ np.reshape(t32.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
     t36 = np.swapaxes(t3, -1, -2)
@@ -2305,13 +2299,13 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t45 = np.swapaxes(t4, -1, -2)
     t46 = (1/n_batch) * t44
     t47 = ((np.reshape(t45.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t35[...] = oe.contract('abcde,fde->abfc', t42, t19, optimize=[(0, 1)])
-    t43 += oe.contract('abc,debc->dea', t19, t47, optimize=[(0, 1)])
+    t35[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t42.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
+    t43 += np.reshape((np.reshape(t47, (d_V*d_ff, L*n_batch)) @ np.reshape(t13.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
     t50 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t51 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t49[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -2379,7 +2373,7 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -2459,16 +2453,16 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.transpose(0, 2, 1)
     t13 = t3 * t3
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = ((np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
-    t16 = (np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
-    t0[...] = (np.reshape((np.reshape(t17, (d_ff, 1, L*n_batch)) @ np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V))), (d_ff, d_V))).transpose(1, 0)
+    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (d_ff, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    t0[...] = (np.reshape((np.reshape(t14.transpose(1, 0, 2, 3), (d_ff, d_V, L*n_batch)) @ np.reshape(t17, (d_ff, L*n_batch, 1))), (d_ff, d_V))).transpose(1, 0)
     return out
 
 
@@ -2489,7 +2483,7 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
@@ -2519,17 +2513,17 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t13 = np.reshape((np.reshape(t12, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
-    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t15 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t16 = np.reshape((np.reshape(t14, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = ((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t15, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
-    t18 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t12 = X.transpose(2, 0, 1)
+    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
+    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
+    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t18.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -2550,7 +2544,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -2586,13 +2580,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t12 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t13 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t14 = ((np.reshape(t13, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
-    t15 = t6.transpose(2, 0, 1)
+    t11 = t6.transpose(2, 0, 1)
+    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t14 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t15 = ((np.reshape(t14, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
     t16 = np.einsum('abbc->abc', t0)
     F = t7
     t17 = np.exp(F - F.max(-1, keepdims=True))
@@ -2604,8 +2598,8 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t22 = (1/n_batch) * t1
     t23 = G.transpose(2, 0, 1)
     t24 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
-    t16 += oe.contract('abc,debc->dea', t23, t24, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t11, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
+    t16 += np.reshape((np.reshape(t24, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     return out
 
 
@@ -2626,7 +2620,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2675,11 +2669,11 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
-    t14 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t13 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -2702,7 +2696,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -2729,16 +2723,16 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
-    t17 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t18 = np.reshape((np.reshape(t16, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t19 = ((np.reshape(t18.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
-    t20 = X.transpose(2, 0, 1)
+    t16 = X.transpose(2, 0, 1)
+    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
+    t18 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t19 = np.reshape((np.reshape(t17, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
+    t20 = ((np.reshape(t19.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t18, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
     t21 = np.einsum('abca->abc', t0)
     F = t9
     t22 = np.exp(F - F.max(-1, keepdims=True))
@@ -2750,8 +2744,8 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t27 = np.swapaxes(G, -1, -2)
     t28 = (1/n_batch) * t27
     t29 = ((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
-    t21 += oe.contract('abc,debc->dea', t20, t29, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t20.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
+    t21 += np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     return out
 
 
@@ -2774,7 +2768,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
@@ -2827,11 +2821,11 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -2854,7 +2848,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2882,7 +2876,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -2918,7 +2912,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2970,7 +2964,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
@@ -3026,7 +3020,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))

@@ -120,9 +120,10 @@ def mse__hessian__outer(X, Y):
     S19 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t18.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t20, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t20, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
-    t22 = (S19.transpose(0, 2, 1) @ S17.transpose(0, 2, 1))
-    t2 += (t22.transpose(0, 2, 1) @ S21)
+    S21 = np.reshape((np.reshape(t20, (L, 1)) * np.reshape(t12, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t20, (L, 1)) * np.reshape(t13, (1, d_V**2))), (L, d_V, d_V))
+    t22 = S21.transpose(0, 2, 1)
+    t23 = (S17 @ S19)
+    t2 += (t23 @ t22.transpose(0, 2, 1))
     return H
 
 
@@ -202,7 +203,7 @@ def mse__frobenius_all__outer(X, Y):
     S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S18 = np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t9, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t10, (1, d_V**2))), (L, d_V, d_V))
     t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
     t20 = (S18 @ S18.transpose(0, 2, 1))
     t21 = (t20 @ t19)
@@ -244,9 +245,10 @@ def mse__diag__X__outer(X, Y):
     S17 = ((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t16.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t18 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t18, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t11, (d_V**2, 1)) * np.reshape(t18, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
-    t20 = (S17.transpose(0, 2, 1) @ S15.transpose(0, 2, 1))
-    t0[...] = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S19.transpose(0, 2, 1), (L, d_V, d_V, 1))), (L, d_V))
+    S19 = np.reshape((np.reshape(t18, (L, 1)) * np.reshape(t10, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t18, (L, 1)) * np.reshape(t11, (1, d_V**2))), (L, d_V, d_V))
+    t20 = S19.transpose(0, 2, 1)
+    t21 = (S15 @ S17)
+    t0[...] = np.reshape((np.reshape(t20, (L, d_V, 1, d_V)) @ np.reshape(t21, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -281,7 +283,7 @@ def mse__trace__X__outer(X, Y):
     S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S18 = np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t9, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t10, (1, d_V**2))), (L, d_V, d_V))
     t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
     return (t19 * S18).sum()
 
@@ -321,9 +323,10 @@ def mse__block__X__X__outer(X, Y):
     S18 = ((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t17.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t19 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = (np.reshape((np.reshape(t11, (d_V**2, 1)) * np.reshape(t19, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t19, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
-    t21 = (S18.transpose(0, 2, 1) @ S16.transpose(0, 2, 1))
-    t1 += (t21.transpose(0, 2, 1) @ S20)
+    S20 = np.reshape((np.reshape(t19, (L, 1)) * np.reshape(t11, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t19, (L, 1)) * np.reshape(t12, (1, d_V**2))), (L, d_V, d_V))
+    t21 = S20.transpose(0, 2, 1)
+    t22 = (S16 @ S18)
+    t1 += (t22 @ t21.transpose(0, 2, 1))
     return out
 
 
@@ -358,7 +361,7 @@ def mse__frobenius__X__X__outer(X, Y):
     S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S18 = np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t9, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t10, (1, d_V**2))), (L, d_V, d_V))
     t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
     t20 = (S18 @ S18.transpose(0, 2, 1))
     t21 = (t20 @ t19)
@@ -414,9 +417,11 @@ def mse__hessian__functional(X, Y):
     S27 = (2/d_V) * (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t20.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S26.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t28 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t28, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t28, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S29 = np.reshape((np.reshape(t28, (L, 1)) * np.reshape(t19, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t28, (L, 1)) * np.reshape(t21, (1, d_V**2))), (L, d_V, d_V))
     t30 = (1/n_batch) * S29
-    t2 += ((t30.transpose(0, 2, 1) @ S27.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t31 = S27.sum((0,))
+    t32 = t30.transpose(0, 2, 1)
+    t2 += (t31 @ t32.transpose(0, 2, 1))
     return H
 
 
@@ -517,7 +522,7 @@ def mse__frobenius_all__functional(X, Y):
     S24 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S23.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S26 = np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V))
     t27 = (S26.transpose(0, 2, 1) @ S24.sum((0,)).transpose(0, 2, 1))
     t28 = (t27.transpose(0, 2, 1) @ S26.transpose(0, 2, 1))
     t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
@@ -569,9 +574,11 @@ def mse__diag__X__functional(X, Y):
     S25 = (2/d_V) * (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t18.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S24.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (np.reshape((np.reshape(t17, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S27 = np.reshape((np.reshape(t26, (L, 1)) * np.reshape(t17, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t26, (L, 1)) * np.reshape(t19, (1, d_V**2))), (L, d_V, d_V))
     t28 = (1/n_batch) * S27
-    t0[...] = np.reshape((np.reshape(t28.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S25.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
+    t29 = S25.sum((0,))
+    t30 = t28.transpose(0, 2, 1)
+    t0[...] = np.reshape((np.reshape(t29, (L, d_V, 1, d_V)) @ np.reshape(t30, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -617,7 +624,7 @@ def mse__trace__X__functional(X, Y):
     S24 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S23.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S26 = np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V))
     return (1/n_batch) * (S26 * S24.sum((0,)).transpose(0, 2, 1)).sum()
 
 
@@ -667,9 +674,11 @@ def mse__block__X__X__functional(X, Y):
     S26 = (2/d_V) * (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t27 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t27, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t27, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S28 = np.reshape((np.reshape(t27, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t27, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V))
     t29 = (1/n_batch) * S28
-    t1 += ((t29.transpose(0, 2, 1) @ S26.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t30 = S26.sum((0,))
+    t31 = t29.transpose(0, 2, 1)
+    t1 += (t30 @ t31.transpose(0, 2, 1))
     return out
 
 
@@ -715,7 +724,7 @@ def mse__frobenius__X__X__functional(X, Y):
     S24 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S23.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S26 = np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V))
     t27 = (S26.transpose(0, 2, 1) @ S24.sum((0,)).transpose(0, 2, 1))
     t28 = (t27.transpose(0, 2, 1) @ S26.transpose(0, 2, 1))
     t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
@@ -779,9 +788,11 @@ def mse__hessian__full(X, Y):
     S34 = (2/d_V) * (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t22.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t20.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t30.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t21, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S28, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S31.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t33.transpose(0, 2, 1) @ S28)
     t35 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t35, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t35, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S36 = np.reshape((np.reshape(t35, (L, 1)) * np.reshape(t19, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t35, (L, 1)) * np.reshape(t21, (1, d_V**2))), (L, d_V, d_V))
     t37 = (1/n_batch) * S36
-    t2 += ((t37.transpose(0, 2, 1) @ S34.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t38 = S34.sum((0,))
+    t39 = t37.transpose(0, 2, 1)
+    t2 += (t38 @ t39.transpose(0, 2, 1))
     return H
 
 
@@ -902,7 +913,7 @@ def mse__frobenius_all__full(X, Y):
     S31 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t27.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t18, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.transpose(0, 2, 1) @ S25)
     t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S33 = np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V))
     t34 = (S33.transpose(0, 2, 1) @ S31.sum((0,)).transpose(0, 2, 1))
     t35 = (t34.transpose(0, 2, 1) @ S33.transpose(0, 2, 1))
     t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
@@ -963,9 +974,11 @@ def mse__diag__X__full(X, Y):
     S32 = (2/d_V) * (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t20.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t18.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t28.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t19, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S26, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S29.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t31.transpose(0, 2, 1) @ S26)
     t33 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (np.reshape((np.reshape(t17, (d_V**2, 1)) * np.reshape(t33, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t33, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S34 = np.reshape((np.reshape(t33, (L, 1)) * np.reshape(t17, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t33, (L, 1)) * np.reshape(t19, (1, d_V**2))), (L, d_V, d_V))
     t35 = (1/n_batch) * S34
-    t0[...] = np.reshape((np.reshape(t35.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S32.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
+    t36 = S32.sum((0,))
+    t37 = t35.transpose(0, 2, 1)
+    t0[...] = np.reshape((np.reshape(t36, (L, d_V, 1, d_V)) @ np.reshape(t37, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -1020,7 +1033,7 @@ def mse__trace__X__full(X, Y):
     S31 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t27.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t18, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.transpose(0, 2, 1) @ S25)
     t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S33 = np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V))
     return (1/n_batch) * (S33 * S31.sum((0,)).transpose(0, 2, 1)).sum()
 
 
@@ -1079,9 +1092,11 @@ def mse__block__X__X__full(X, Y):
     S33 = (2/d_V) * (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t21.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t29.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t20, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S27, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S30.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t32.transpose(0, 2, 1) @ S27)
     t34 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t34, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t34, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S35 = np.reshape((np.reshape(t34, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t34, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V))
     t36 = (1/n_batch) * S35
-    t1 += ((t36.transpose(0, 2, 1) @ S33.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t37 = S33.sum((0,))
+    t38 = t36.transpose(0, 2, 1)
+    t1 += (t37 @ t38.transpose(0, 2, 1))
     return out
 
 
@@ -1136,7 +1151,7 @@ def mse__frobenius__X__X__full(X, Y):
     S31 = (2/d_V) * (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t19.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (4/(L*d_V**2)) * (np.reshape((np.reshape(t27.transpose(3, 0, 2, 1), (d_V, L*d_V, d_V)) @ np.reshape(t18, (d_V, d_V, 1))), (d_V, L, d_V))).transpose(1, 0, 2) + (2/(L*d_V)) * np.reshape((np.reshape(S25, (L, d_V, d_V, 1)) * np.reshape(P_Z, (L, d_V, 1, 1))), (L, d_V, d_V)) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.transpose(0, 2, 1) @ S25)
     t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t18, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S33 = np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t18, (1, d_V**2))), (L, d_V, d_V))
     t34 = (S33.transpose(0, 2, 1) @ S31.sum((0,)).transpose(0, 2, 1))
     t35 = (t34.transpose(0, 2, 1) @ S33.transpose(0, 2, 1))
     t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
@@ -1175,7 +1190,7 @@ def mse__frobenius_split__X__X(X, Y):
     S16 = ((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t15.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape((np.reshape(t9, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t10, (d_V**2, 1)) * np.reshape(t17, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S18 = np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t9, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t17, (L, 1)) * np.reshape(t10, (1, d_V**2))), (L, d_V, d_V))
     t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
     t20 = (S18 @ S18.transpose(0, 2, 1))
     t21 = (t20 @ t19)
@@ -1393,18 +1408,18 @@ def ce__hessian__outer(X, Y):
     t22 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t22 / t22.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t23 = t17 * M_Z
     t24 = (np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = ((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t24.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t26 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (np.reshape((np.reshape(t15, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t16, (d_V**2, 1)) * np.reshape(t26, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S27 = np.reshape((np.reshape(t26, (L, 1)) * np.reshape(t15, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t26, (L, 1)) * np.reshape(t16, (1, d_V**2))), (L, d_V, d_V))
     t28 = (1/n_batch) * dA
-    t29 = (t28.transpose(0, 2, 1) @ S20.sum((0,)).transpose(0, 2, 1))
+    t29 = (S20.sum((0,)) @ t28)
     t30 = (S27.transpose(0, 2, 1) @ S25.transpose(0, 2, 1))
-    t2 += ((t30 @ t29)).transpose(0, 2, 1)
+    t2 += (t29 @ t30.transpose(0, 2, 1))
     return H
 
 
@@ -1495,14 +1510,14 @@ def ce__frobenius_all__outer(X, Y):
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S24 = np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t12, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t13, (1, d_V**2))), (L, d_V, d_V))
     t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
     t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
     t27 = (S24 @ S24.transpose(0, 2, 1))
@@ -1549,18 +1564,19 @@ def ce__diag__X__outer(X, Y):
     t20 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t20 / t20.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t21 = t15 * M_Z
     t22 = (np.reshape(t14, (d_V, d_V, 1)) * np.reshape(t21.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = ((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t22.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t24 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t24, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t14, (d_V**2, 1)) * np.reshape(t24, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S25 = np.reshape((np.reshape(t24, (L, 1)) * np.reshape(t13, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t24, (L, 1)) * np.reshape(t14, (1, d_V**2))), (L, d_V, d_V))
     t26 = (1/n_batch) * dA
-    t27 = (S23.transpose(0, 2, 1) @ t26.transpose(0, 2, 1))
-    t28 = (t27.transpose(0, 2, 1) @ S25)
-    t0[...] = np.reshape((np.reshape(t28.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S18.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
+    t27 = S18.sum((0,))
+    t28 = (S23.transpose(0, 2, 1) @ t26.transpose(0, 2, 1))
+    t29 = (S25.transpose(0, 2, 1) @ t28)
+    t0[...] = np.reshape((np.reshape(t27, (L, d_V, 1, d_V)) @ np.reshape(t29, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -1598,14 +1614,14 @@ def ce__trace__X__outer(X, Y):
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S24 = np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t12, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t13, (1, d_V**2))), (L, d_V, d_V))
     t25 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
     t26 = (t25.transpose(0, 2, 1) @ S24)
     return (1/n_batch) * (t26 * S17.sum((0,)).transpose(0, 2, 1)).sum()
@@ -1649,18 +1665,18 @@ def ce__block__X__X__outer(X, Y):
     t21 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t21 / t21.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t22 = t16 * M_Z
     t23 = (np.reshape(t15, (d_V, d_V, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = ((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t23.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t25 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape((np.reshape(t14, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t15, (d_V**2, 1)) * np.reshape(t25, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S26 = np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t14, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t25, (L, 1)) * np.reshape(t15, (1, d_V**2))), (L, d_V, d_V))
     t27 = (1/n_batch) * dA
-    t28 = (t27.transpose(0, 2, 1) @ S19.sum((0,)).transpose(0, 2, 1))
+    t28 = (S19.sum((0,)) @ t27)
     t29 = (S26.transpose(0, 2, 1) @ S24.transpose(0, 2, 1))
-    t1 += ((t29 @ t28)).transpose(0, 2, 1)
+    t1 += (t28 @ t29.transpose(0, 2, 1))
     return out
 
 
@@ -1698,14 +1714,14 @@ def ce__frobenius__X__X__outer(X, Y):
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S24 = np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t12, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t13, (1, d_V**2))), (L, d_V, d_V))
     t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
     t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
     t27 = (S24 @ S24.transpose(0, 2, 1))
@@ -1768,9 +1784,11 @@ def ce__hessian__functional(X, Y):
     S31 = (2/d_V) * (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S30.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t32 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t32, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S33 = np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t23, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t32, (L, 1)) * np.reshape(t25, (1, d_V**2))), (L, d_V, d_V))
     t34 = (1/n_batch) * S33
-    t2 += ((t34.transpose(0, 2, 1) @ S31.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t35 = S31.sum((0,))
+    t36 = t34.transpose(0, 2, 1)
+    t2 += (t35 @ t36.transpose(0, 2, 1))
     return H
 
 
@@ -1881,7 +1899,7 @@ def ce__frobenius_all__functional(X, Y):
     S28 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S30 = np.reshape((np.reshape(t29, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t29, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V))
     t31 = (S30.transpose(0, 2, 1) @ S28.sum((0,)).transpose(0, 2, 1))
     t32 = (t31.transpose(0, 2, 1) @ S30.transpose(0, 2, 1))
     t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
@@ -1938,9 +1956,11 @@ def ce__diag__X__functional(X, Y):
     S29 = (2/d_V) * (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t30 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t30, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t30, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S31 = np.reshape((np.reshape(t30, (L, 1)) * np.reshape(t21, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t30, (L, 1)) * np.reshape(t23, (1, d_V**2))), (L, d_V, d_V))
     t32 = (1/n_batch) * S31
-    t0[...] = np.reshape((np.reshape(t32.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S29.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
+    t33 = S29.sum((0,))
+    t34 = t32.transpose(0, 2, 1)
+    t0[...] = np.reshape((np.reshape(t33, (L, d_V, 1, d_V)) @ np.reshape(t34, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -1991,7 +2011,7 @@ def ce__trace__X__functional(X, Y):
     S28 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S30 = np.reshape((np.reshape(t29, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t29, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V))
     return (1/n_batch) * (S30 * S28.sum((0,)).transpose(0, 2, 1)).sum()
 
 
@@ -2046,9 +2066,11 @@ def ce__block__X__X__functional(X, Y):
     S30 = (2/d_V) * (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S29.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t31 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t31, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t24, (d_V**2, 1)) * np.reshape(t31, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S32 = np.reshape((np.reshape(t31, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t31, (L, 1)) * np.reshape(t24, (1, d_V**2))), (L, d_V, d_V))
     t33 = (1/n_batch) * S32
-    t1 += ((t33.transpose(0, 2, 1) @ S30.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t34 = S30.sum((0,))
+    t35 = t33.transpose(0, 2, 1)
+    t1 += (t34 @ t35.transpose(0, 2, 1))
     return out
 
 
@@ -2099,7 +2121,7 @@ def ce__frobenius__X__X__functional(X, Y):
     S28 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((np.reshape(S27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t29 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t29, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S30 = np.reshape((np.reshape(t29, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t29, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V))
     t31 = (S30.transpose(0, 2, 1) @ S28.sum((0,)).transpose(0, 2, 1))
     t32 = (t31.transpose(0, 2, 1) @ S30.transpose(0, 2, 1))
     t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
@@ -2152,7 +2174,7 @@ def ce__hessian__full(X, Y):
     t28 = np.exp(Z - Z.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A29.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A29, (L, d_V, 1)) * np.reshape(A29, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A29.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A29, (L, d_V, 1)) * np.reshape(A29, (L, 1, d_V)))
     t30 = t11 * M_Z
     t31 = (np.reshape(t25, (d_V, d_V, 1)) * np.reshape(t30.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2175,9 +2197,11 @@ def ce__hessian__full(X, Y):
     S43 = (2/d_V) * (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t26.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t32.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t27.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t36.transpose(2, 0, 1) @ np.reshape(S35.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t39.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t32 @ np.reshape(t41.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S42.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t44 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S45 = (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t44, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t44, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S45 = np.reshape((np.reshape(t44, (L, 1)) * np.reshape(t23, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t44, (L, 1)) * np.reshape(t25, (1, d_V**2))), (L, d_V, d_V))
     t46 = (1/n_batch) * S45
-    t2 += ((t46.transpose(0, 2, 1) @ S43.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t47 = S43.sum((0,))
+    t48 = t46.transpose(0, 2, 1)
+    t2 += (t47 @ t48.transpose(0, 2, 1))
     return H
 
 
@@ -2292,7 +2316,7 @@ def ce__frobenius_all__full(X, Y):
     t25 = np.exp(Z - Z.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))
     t27 = t8 * M_Z
     t28 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t27.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2315,7 +2339,7 @@ def ce__frobenius_all__full(X, Y):
     S40 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t36.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t29 @ np.reshape(t38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t41 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S42 = np.reshape((np.reshape(t41, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t41, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V))
     t43 = (S42.transpose(0, 2, 1) @ S40.sum((0,)).transpose(0, 2, 1))
     t44 = (t43.transpose(0, 2, 1) @ S42.transpose(0, 2, 1))
     t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
@@ -2365,7 +2389,7 @@ def ce__diag__X__full(X, Y):
     t26 = np.exp(Z - Z.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A27.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A27, (L, d_V, 1)) * np.reshape(A27, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A27.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A27, (L, d_V, 1)) * np.reshape(A27, (L, 1, d_V)))
     t28 = t9 * M_Z
     t29 = (np.reshape(t23, (d_V, d_V, 1)) * np.reshape(t28.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2388,9 +2412,11 @@ def ce__diag__X__full(X, Y):
     S41 = (2/d_V) * (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(t20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t24.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t22.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t30.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t25.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t34.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t37.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t30 @ np.reshape(t39.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S40.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t42 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S43 = (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t42, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t23, (d_V**2, 1)) * np.reshape(t42, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S43 = np.reshape((np.reshape(t42, (L, 1)) * np.reshape(t21, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t42, (L, 1)) * np.reshape(t23, (1, d_V**2))), (L, d_V, d_V))
     t44 = (1/n_batch) * S43
-    t0[...] = np.reshape((np.reshape(t44.transpose(0, 2, 1), (L, d_V, 1, d_V)) @ np.reshape(S41.sum((0,)), (L, d_V, d_V, 1))), (L, d_V))
+    t45 = S41.sum((0,))
+    t46 = t44.transpose(0, 2, 1)
+    t0[...] = np.reshape((np.reshape(t45, (L, d_V, 1, d_V)) @ np.reshape(t46, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -2434,7 +2460,7 @@ def ce__trace__X__full(X, Y):
     t25 = np.exp(Z - Z.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))
     t27 = t8 * M_Z
     t28 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t27.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2457,7 +2483,7 @@ def ce__trace__X__full(X, Y):
     S40 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t36.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t29 @ np.reshape(t38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t41 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S42 = np.reshape((np.reshape(t41, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t41, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V))
     return (1/n_batch) * (S42 * S40.sum((0,)).transpose(0, 2, 1)).sum()
 
 
@@ -2505,7 +2531,7 @@ def ce__block__X__X__full(X, Y):
     t27 = np.exp(Z - Z.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A28.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A28, (L, d_V, 1)) * np.reshape(A28, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A28.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A28, (L, d_V, 1)) * np.reshape(A28, (L, 1, d_V)))
     t29 = t10 * M_Z
     t30 = (np.reshape(t24, (d_V, d_V, 1)) * np.reshape(t29.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2528,9 +2554,11 @@ def ce__block__X__X__full(X, Y):
     S42 = (2/d_V) * (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t25.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t23.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t31.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t26.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t35.transpose(2, 0, 1) @ np.reshape(S34.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t38.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t31 @ np.reshape(t40.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S41.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t43 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t43, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t24, (d_V**2, 1)) * np.reshape(t43, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S44 = np.reshape((np.reshape(t43, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t43, (L, 1)) * np.reshape(t24, (1, d_V**2))), (L, d_V, d_V))
     t45 = (1/n_batch) * S44
-    t1 += ((t45.transpose(0, 2, 1) @ S42.sum((0,)).transpose(0, 2, 1))).transpose(0, 2, 1)
+    t46 = S42.sum((0,))
+    t47 = t45.transpose(0, 2, 1)
+    t1 += (t46 @ t47.transpose(0, 2, 1))
     return out
 
 
@@ -2574,7 +2602,7 @@ def ce__frobenius__X__X__full(X, Y):
     t25 = np.exp(Z - Z.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A26.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A26, (L, d_V, 1)) * np.reshape(A26, (L, 1, d_V)))
     t27 = t8 * M_Z
     t28 = (np.reshape(t22, (d_V, d_V, 1)) * np.reshape(t27.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2597,7 +2625,7 @@ def ce__frobenius__X__X__full(X, Y):
     S40 = (2/d_V) * (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) + (2/d_V) * ((np.reshape(t23.transpose(1, 2, 0), (L, d_V, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (1/L) * ((np.reshape(t29.transpose(0, 2, 1), (L, d_V, d_V, 1)) * np.reshape(t24.transpose(1, 2, 0), (L, d_V, 1, n_batch)))).transpose(3, 0, 1, 2) + (2/d_V) * (np.reshape((t33.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (2/(L*d_V)) * (np.reshape((np.reshape(t36.transpose(0, 3, 1, 2), (L, d_V, d_V*n_batch, 1)) * np.reshape(M_Z, (L, d_V, 1, 1))), (L, d_V, d_V, n_batch))).transpose(3, 0, 1, 2) + (-1/(L*d_V)) * (np.reshape((t29 @ np.reshape(t38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 3, 1) + (-2/d_V**2) * (np.reshape((np.reshape(S39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(0, 1, 3, 2)
     t41 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = (np.reshape((np.reshape(t20, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t22, (d_V**2, 1)) * np.reshape(t41, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S42 = np.reshape((np.reshape(t41, (L, 1)) * np.reshape(t20, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t41, (L, 1)) * np.reshape(t22, (1, d_V**2))), (L, d_V, d_V))
     t43 = (S42.transpose(0, 2, 1) @ S40.sum((0,)).transpose(0, 2, 1))
     t44 = (t43.transpose(0, 2, 1) @ S42.transpose(0, 2, 1))
     t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
@@ -2639,14 +2667,14 @@ def ce__frobenius_split__X__X(X, Y):
     t19 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t19 / t19.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - ((np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))).transpose(0, 2, 1)
+    dA = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) - (np.reshape(A, (L, d_V, 1)) * np.reshape(A, (L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(P_Z.transpose(1, 0), (d_V, 1, L)))).transpose(2, 0, 1) + (2/d_V) * (np.reshape((np.reshape(t21.transpose(1, 2, 0), (d_V, L, d_V, 1)) * np.reshape(M_Z.transpose(1, 0), (d_V, L, 1, 1))), (d_V, L, d_V))).transpose(1, 2, 0)
     t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape((np.reshape(t12, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1) + (-1/d_V) * (np.reshape((np.reshape(t13, (d_V**2, 1)) * np.reshape(t23, (1, L))), (d_V, d_V, L))).transpose(2, 0, 1)
+    S24 = np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t12, (1, d_V**2))), (L, d_V, d_V)) + (-1/d_V) * np.reshape((np.reshape(t23, (L, 1)) * np.reshape(t13, (1, d_V**2))), (L, d_V, d_V))
     t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
     t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
     t27 = (S24 @ S24.transpose(0, 2, 1))

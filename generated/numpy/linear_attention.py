@@ -99,9 +99,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = t12.transpose(1, 2, 0)
-    t15 = t13.transpose(1, 2, 0)
-    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t14 = t13.transpose(1, 2, 0)
+    t15 = t12.transpose(1, 2, 0)
+    t1[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
@@ -111,7 +111,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t22 = (2/(L*d_K*d_V*n_batch)) * t19
     t23 = t22.transpose(1, 2, 0)
     t24 = t21.transpose(1, 2, 0)
-    t17[...] = oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t17[...] = (np.reshape((np.reshape(t23, (d_K*d_V, n_batch)) @ np.reshape(t24.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
     t27 = t18 @ t5
@@ -122,9 +122,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t31 = np.swapaxes(t7, -1, -2)
     t32 = t5 @ t31
     t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t30
-    t34 = t32.transpose(1, 2, 0)
-    t35 = t33.transpose(1, 2, 0)
-    t26[...] = oe.contract('abc,dec->daeb', t34, t35, optimize=[(0, 1)])
+    t34 = t33.transpose(1, 2, 0)
+    t35 = t32.transpose(1, 2, 0)
+    t26[...] = (np.reshape((np.reshape(t34, (d_V**2, n_batch)) @ np.reshape(t35.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
     t38 = np.swapaxes(t21, -1, -2)
@@ -132,7 +132,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = (2/(L*d_K*d_V*n_batch)) * t38
     t41 = t40.transpose(1, 2, 0)
     t42 = t39.transpose(1, 2, 0)
-    t37[...] = oe.contract('abc,dec->adeb', t41, t42, optimize=[(0, 1)])
+    t37[...] = (np.reshape((np.reshape(t41, (d_K*d_V, n_batch)) @ np.reshape(t42.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
     t45 = t9 @ X
@@ -140,9 +140,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t47 = np.swapaxes(t18, -1, -2)
     t48 = t47 @ t18
     t49 = (2/(L*d_K*d_V*n_batch)) * t46
-    t50 = t48.transpose(1, 2, 0)
-    t51 = t49.transpose(1, 2, 0)
-    t44[...] = oe.contract('abc,dec->daeb', t50, t51, optimize=[(0, 1)])
+    t50 = t49.transpose(1, 2, 0)
+    t51 = t48.transpose(1, 2, 0)
+    t44[...] = (np.reshape((np.reshape(t50, (d_V**2, n_batch)) @ np.reshape(t51.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
     t54 = t2 @ t31
@@ -150,15 +150,15 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t57 = t56.transpose(1, 2, 0)
     t58 = t55.transpose(1, 2, 0)
-    t53[...] = oe.contract('abc,dec->adeb', t57, t58, optimize=[(0, 1)])
+    t53[...] = (np.reshape((np.reshape(t57, (d_V**2, n_batch)) @ np.reshape(t58.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
     t61 = np.swapaxes(t30, -1, -2)
     t62 = np.swapaxes(t32, -1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t61
-    t64 = t62.transpose(1, 2, 0)
-    t65 = t63.transpose(1, 2, 0)
-    t60[...] = oe.contract('abc,dec->daeb', t64, t65, optimize=[(0, 1)])
+    t64 = t63.transpose(1, 2, 0)
+    t65 = t62.transpose(1, 2, 0)
+    t60[...] = (np.reshape((np.reshape(t64, (d_V**2, n_batch)) @ np.reshape(t65.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
     t68 = np.swapaxes(t55, -1, -2)
@@ -166,7 +166,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
     t71 = t70.transpose(1, 2, 0)
     t72 = t69.transpose(1, 2, 0)
-    t67[...] = oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
+    t67[...] = (np.reshape((np.reshape(t71, (d_K*d_V, n_batch)) @ np.reshape(t72.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t73[...] = 0
     t74 = np.reshape(t73, (d_V, d_V, d_V, d_V), copy=False)
@@ -175,8 +175,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = t76 @ t29
     t78 = np.ones((d_V,), dtype=X.dtype)
     t79 = (2/(L*d_V*n_batch)) * t78
-    t80 = t77.sum((0,))
-    t75 += oe.contract('ab,c->acb', t80, t79, optimize=[(0, 1)])
+    t75 += (np.reshape((np.reshape(t79, (d_V, 1)) * np.reshape(t77.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -320,9 +319,9 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t0[...] = (t13 @ t14.transpose(1, 0))
     return out
 
 
@@ -366,9 +365,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = t11.transpose(1, 2, 0)
-    t14 = t12.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.transpose(1, 2, 0)
+    t14 = t11.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -418,7 +417,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
     t13 = t12.transpose(1, 2, 0)
     t14 = t11.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -466,9 +465,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t3 @ t9
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t12 = t10.transpose(1, 2, 0)
-    t13 = t11.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t12, t13, optimize=[(0, 1)])
+    t12 = t11.transpose(1, 2, 0)
+    t13 = t10.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -516,9 +515,9 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t0[...] = (t13 @ t14.transpose(1, 0))
     return out
 
 
@@ -564,7 +563,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
     t13 = t12.transpose(1, 2, 0)
     t14 = t11.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -612,9 +611,9 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = t11.transpose(1, 2, 0)
-    t14 = t12.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.transpose(1, 2, 0)
+    t14 = t11.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -666,7 +665,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
     t14 = t13.transpose(1, 2, 0)
     t15 = t12.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -717,8 +716,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).transpose(1, 0)
     return out
 
 
@@ -765,9 +763,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(t3, -1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t15 = t13.transpose(1, 2, 0)
-    t16 = t14.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
+    t15 = t14.transpose(1, 2, 0)
+    t16 = t13.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -823,7 +821,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
     t15 = t14.transpose(1, 2, 0)
     t16 = t13.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -877,8 +875,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -936,50 +933,48 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = t17.sum((0,))
-    t3 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
-    t23 = t4 @ G
-    t24 = t6 @ X
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t26 = t25.transpose(1, 2, 0)
-    t27 = t24.transpose(1, 2, 0)
-    t22[...] = oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t31 = np.swapaxes(t17, -1, -2)
-    t32 = t31.sum((0,))
-    t30 += oe.contract('ab,c->acb', t32, t19, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
-    t36 = t4 @ X
-    t37 = np.swapaxes(W_Q, -1, -2)
-    t38 = t37 @ t4
-    t39 = t38 @ G
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t41 = t39.transpose(1, 2, 0)
-    t42 = t40.transpose(1, 2, 0)
-    t35[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t45 = np.swapaxes(t24, -1, -2)
-    t46 = np.swapaxes(t23, -1, -2)
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t48 = t47.transpose(1, 2, 0)
-    t49 = t46.transpose(1, 2, 0)
-    t44[...] = oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
-    t52 = np.swapaxes(t39, -1, -2)
-    t53 = t52.transpose(1, 2, 0)
-    t51[...] = oe.contract('abc,dec->daeb', t53, t42, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
+    t3 += (np.reshape((np.reshape(t19, (d_K, 1)) * np.reshape(t17.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
+    t22 = t4 @ G
+    t23 = t6 @ X
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t25 = t24.transpose(1, 2, 0)
+    t26 = t23.transpose(1, 2, 0)
+    t21[...] = (np.reshape((np.reshape(t25, (d_V**2, n_batch)) @ np.reshape(t26.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = np.swapaxes(t17, -1, -2)
+    t29 += (np.reshape((np.reshape(t19, (d_K, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31[...] = 0
+    t32 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
+    t34 = t4 @ X
+    t35 = np.swapaxes(W_Q, -1, -2)
+    t36 = t35 @ t4
+    t37 = t36 @ G
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t39 = t38.transpose(1, 2, 0)
+    t40 = t37.transpose(1, 2, 0)
+    t33[...] = (np.reshape((np.reshape(t39, (d_V**2, n_batch)) @ np.reshape(t40.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_V, d_V, d_K), copy=False)
+    t43 = np.swapaxes(t23, -1, -2)
+    t44 = np.swapaxes(t22, -1, -2)
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t46 = t45.transpose(1, 2, 0)
+    t47 = t44.transpose(1, 2, 0)
+    t42[...] = (np.reshape((np.reshape(t46, (d_K*d_V, n_batch)) @ np.reshape(t47.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(t37, -1, -2)
+    t51 = t50.transpose(1, 2, 0)
+    t49[...] = (np.reshape((np.reshape(t39, (d_V**2, n_batch)) @ np.reshape(t51.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -1157,8 +1152,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = np.ones((d_K,), dtype=X.dtype)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = t15.sum((0,))
-    t1 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t17, (d_K, 1)) * np.reshape(t15.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -1216,7 +1210,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
     t14 = t13.transpose(1, 2, 0)
     t15 = t12.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -1298,8 +1292,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = np.ones((d_K,), dtype=X.dtype)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = t16.sum((0,))
-    t1 += oe.contract('ab,c->acb', t19, t18, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t18, (d_K, 1)) * np.reshape(t16.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -1378,9 +1371,9 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t4 @ G
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = t14.transpose(1, 2, 0)
-    t17 = t15.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
+    t16 = t15.transpose(1, 2, 0)
+    t17 = t14.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, n_batch)) @ np.reshape(t17.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1461,7 +1454,7 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t15 = t14.transpose(1, 2, 0)
     t16 = t13.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -1520,9 +1513,9 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = t12 @ t13
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = t14.transpose(1, 2, 0)
-    t17 = t15.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
+    t16 = t15.transpose(1, 2, 0)
+    t17 = t14.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, n_batch)) @ np.reshape(t17.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1597,17 +1590,17 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = t12.transpose(1, 2, 0)
-    t15 = t13.transpose(1, 2, 0)
-    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t14 = t13.transpose(1, 2, 0)
+    t15 = t12.transpose(1, 2, 0)
+    t1[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
     t19 = np.swapaxes(t11, -1, -2)
     t20 = t19 @ X
     t21 = (2/(L*d_K*d_V*n_batch)) * t2
-    t22 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t23 = t20.transpose(1, 2, 0)
+    t22 = t20.transpose(1, 2, 0)
+    t23 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
     t24 = np.einsum('abcb->abc', t17)
     t25 = t18 @ t5
     t26 = (1/math.sqrt(d_K)) * t25
@@ -1622,21 +1615,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = ((np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t17[...] = oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
-    t24 += oe.contract('ab,c->acb', t35, t34, optimize=[(0, 1)])
+    t35 = (np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t17[...] = (np.reshape((np.reshape(t22, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t24 += (np.reshape((np.reshape(t35, (d_V**2, 1)) * np.reshape(t34, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     t38 = t5 @ X
     t39 = T @ X
     t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t41 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t38.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
-    t42 = ((t39.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t41 = ((t39.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t42 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t38.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 = ((G.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t45 = t38.transpose(1, 2, 0)
-    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
-    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
+    t44 = t38.transpose(1, 2, 0)
+    t45 = ((G.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t37[...] = (np.reshape((np.reshape(t41, (d_V**2, n_batch)) @ np.reshape(t42.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t37 += (np.reshape((np.reshape(t44, (d_K*d_V, n_batch)) @ np.reshape(t45.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
     t48 = t2 @ t27
@@ -1644,43 +1637,43 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t50 = np.swapaxes(t18, -1, -2)
     t51 = t50 @ X
     t52 = (2/(L*d_K*d_V*n_batch)) * t48
-    t53 = ((t49.transpose(0, 2, 1) @ t52.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t54 = t51.transpose(1, 2, 0)
+    t53 = t51.transpose(1, 2, 0)
+    t54 = ((t49.transpose(0, 2, 1) @ t52.transpose(0, 2, 1))).transpose(2, 1, 0)
     t55 = np.einsum('abcb->abc', t47)
     t56 = np.swapaxes(G, -1, -2)
     t57 = t56 @ X
-    t58 = ((np.reshape(t57.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t48.transpose(0, 2, 1), (d_V*n_batch, d_V)))).transpose(1, 0)
-    t47[...] = oe.contract('abc,dec->adeb', t53, t54, optimize=[(0, 1)])
-    t55 += oe.contract('ab,c->acb', t58, t34, optimize=[(0, 1)])
+    t58 = (np.reshape(t57.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t48.transpose(0, 2, 1), (d_V*n_batch, d_V)))
+    t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t55 += (np.reshape((np.reshape(t58, (d_V**2, 1)) * np.reshape(t34, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
     t61 = t9 @ X
     t62 = t2 @ t61
     t63 = t50 @ t18
     t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t65 = t63.transpose(1, 2, 0)
-    t66 = t64.transpose(1, 2, 0)
-    t60[...] = oe.contract('abc,dec->daeb', t65, t66, optimize=[(0, 1)])
+    t65 = t64.transpose(1, 2, 0)
+    t66 = t63.transpose(1, 2, 0)
+    t60[...] = (np.reshape((np.reshape(t65, (d_V**2, n_batch)) @ np.reshape(t66.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t70 = ((G.transpose(0, 2, 1) @ t69.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t71 = t3.transpose(1, 2, 0)
+    t70 = t3.transpose(1, 2, 0)
+    t71 = ((G.transpose(0, 2, 1) @ t69.transpose(0, 2, 1))).transpose(2, 1, 0)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
     t73 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))).transpose(2, 0, 1)
     t74 = ((t39.transpose(0, 2, 1) @ t72.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t68[...] = oe.contract('abc,dec->daeb', t70, t71, optimize=[(0, 1)])
-    t68 += oe.contract('abc,dec->adeb', t73, t74, optimize=[(0, 1)])
+    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, n_batch)) @ np.reshape(t71.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t68 += (np.reshape((np.reshape(t73, (d_V**2, n_batch)) @ np.reshape(t74.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
     t77 = np.swapaxes(T, -1, -2)
     t78 = t77 @ X
     t79 = t49.transpose(1, 2, 0)
     t80 = ((t78.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t81 = ((t10.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t82 = t57.transpose(1, 2, 0)
-    t76[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
-    t76 += oe.contract('abc,dec->adeb', t81, t82, optimize=[(0, 1)])
+    t81 = t57.transpose(1, 2, 0)
+    t82 = ((t10.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t76[...] = (np.reshape((np.reshape(t79, (d_K*d_V, n_batch)) @ np.reshape(t80.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t76 += (np.reshape((np.reshape(t81, (d_V**2, n_batch)) @ np.reshape(t82.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
     t85 = t56 @ t18
@@ -1688,10 +1681,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t87 = ((X.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
     t88 = t77 @ t18
     t89 = np.swapaxes(t48, -1, -2)
-    t90 = ((t88.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t91 = t89.transpose(1, 2, 0)
-    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
-    t84 += oe.contract('abc,dec->adeb', t90, t91, optimize=[(0, 1)])
+    t90 = t89.transpose(1, 2, 0)
+    t91 = ((t88.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t84[...] = (np.reshape((np.reshape(t86, (d_K*d_V, n_batch)) @ np.reshape(t87.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t84 += (np.reshape((np.reshape(t90, (d_V**2, n_batch)) @ np.reshape(t91.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
     t93 = np.reshape(t92, (d_V, d_V, d_V, d_V), copy=False)
@@ -1700,8 +1693,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t39
     t97 = np.ones((d_V,), dtype=X.dtype)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t99 = t96.sum((0,))
-    t94 += oe.contract('ab,c->acb', t99, t98, optimize=[(0, 1)])
+    t94 += (np.reshape((np.reshape(t98, (d_V, 1)) * np.reshape(t96.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -1915,9 +1907,9 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t0[...] = (t13 @ t14.transpose(1, 0))
     return out
 
 
@@ -1961,9 +1953,9 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = t11.transpose(1, 2, 0)
-    t14 = t12.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.transpose(1, 2, 0)
+    t14 = t11.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2010,8 +2002,8 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t4 @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t12 = ((t2.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t13 = t10.transpose(1, 2, 0)
+    t12 = t10.transpose(1, 2, 0)
+    t13 = ((t2.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))).transpose(2, 1, 0)
     t14 = np.einsum('abcb->abc', t0)
     t15 = t2 @ t4
     t16 = (1/math.sqrt(d_K)) * t15
@@ -2026,9 +2018,9 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = np.ones((d_K,), dtype=X.dtype)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = ((np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t12, t13, optimize=[(0, 1)])
-    t14 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
+    t25 = (np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t12, (d_K*d_V, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t14 += (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t24, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     return out
 
 
@@ -2088,18 +2080,18 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t10 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
-    t11 = ((t8.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t10 = ((t8.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = ((G.transpose(0, 2, 1) @ t15.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t17 = t4.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
+    t16 = t4.transpose(1, 2, 0)
+    t17 = ((G.transpose(0, 2, 1) @ t15.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t0[...] = (np.reshape((np.reshape(t10, (d_V**2, n_batch)) @ np.reshape(t11.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t16, (d_K*d_V, n_batch)) @ np.reshape(t17.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2161,9 +2153,9 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = (oe.contract('abb->ab', t11)).transpose(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).transpose(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).transpose(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).transpose(1, 0)
+    t0[...] = (t13 @ t14.transpose(1, 0))
     return out
 
 
@@ -2205,8 +2197,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t1
     t9 = t8 @ X
     t10 = (2/(L*d_K*d_V*n_batch)) * t3
-    t11 = ((t6.transpose(0, 2, 1) @ t10.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t12 = t9.transpose(1, 2, 0)
+    t11 = t9.transpose(1, 2, 0)
+    t12 = ((t6.transpose(0, 2, 1) @ t10.transpose(0, 2, 1))).transpose(2, 1, 0)
     t13 = np.einsum('abcb->abc', t0)
     t14 = np.swapaxes(t8, -1, -2)
     t15 = np.swapaxes(t5, -1, -2)
@@ -2222,9 +2214,9 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = np.ones((d_K,), dtype=X.dtype)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = ((np.reshape(t22.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t3.transpose(0, 2, 1), (d_V*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t11, t12, optimize=[(0, 1)])
-    t13 += oe.contract('ab,c->acb', t25, t24, optimize=[(0, 1)])
+    t25 = (np.reshape(t22.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t3.transpose(0, 2, 1), (d_V*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t11, (d_K*d_V, n_batch)) @ np.reshape(t12.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t13 += (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t24, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     return out
 
 
@@ -2286,9 +2278,9 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = t11.transpose(1, 2, 0)
-    t14 = t12.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.transpose(1, 2, 0)
+    t14 = t11.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2341,14 +2333,14 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t15 = ((G.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t16 = t2.transpose(1, 2, 0)
+    t15 = t2.transpose(1, 2, 0)
+    t16 = ((G.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))).transpose(2, 1, 0)
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))).transpose(2, 0, 1)
     t20 = ((t17.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t19, (d_V**2, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -2414,8 +2406,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).transpose(1, 0)
     return out
 
 
@@ -2472,10 +2463,10 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     t21 = t20 @ X
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = ((t11.transpose(0, 2, 1) @ t22.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t24 = t21.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t23 = t21.transpose(1, 2, 0)
+    t24 = ((t11.transpose(0, 2, 1) @ t22.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t23, (d_V**2, n_batch)) @ np.reshape(t24.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2553,10 +2544,10 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(t7, -1, -2)
     t20 = t19 @ X
     t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t22 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t23 = t20.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t22 = t20.transpose(1, 2, 0)
+    t23 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t22, (d_V**2, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2624,8 +2615,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('ab,c->acb', t14, t13, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -3186,13 +3176,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t9), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t14, (d_K**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
-    t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t20 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
-    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
     t23 = t18 @ t4
@@ -3202,10 +3192,10 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = np.swapaxes(t6, -1, -2)
     t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t29 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t30 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t31 = (np.reshape((np.reshape(t30.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->eafb', t29, t31, optimize=[(0, 1)])
+    t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t31 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t22[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
     t34 = np.swapaxes(t18, -1, -2)
@@ -3216,31 +3206,31 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((np.reshape(t38.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t40 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t33[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t45 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t44 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t45 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t43[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = np.reshape((np.reshape(t48, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t50 = (np.reshape((np.reshape(t49.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t27), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t51 = ((np.reshape(t26, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t47[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(t26, -1, -2)
-    t55 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t56 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t54.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t57 = (np.reshape((np.reshape(t56.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t57, optimize=[(0, 1)])
+    t55 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t54.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t56 = (np.reshape((np.reshape(t55.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t57 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t53[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
-    t60 = (np.reshape((np.reshape(t56.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t60 = (np.reshape((np.reshape(t55.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t59[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t59[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62[...] = 0
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
@@ -3248,8 +3238,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t65 = t54 @ t26
     t66 = np.ones((d_V,), dtype=X.dtype)
     t67 = (2/(L*d_V*n_batch)) * t66
-    t68 = t65.sum((0,))
-    t64 += oe.contract('ab,c->acb', t68, t67, optimize=[(0, 1)])
+    t64 += (np.reshape((np.reshape(t67, (d_V, 1)) * np.reshape(t65.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -3409,12 +3398,12 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
-    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
-    t12 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_K, L, 1)) * np.reshape(t3, (n_batch, d_K, 1, L)))
-    t13 = ((np.reshape(t12, (n_batch, d_K, L**2)) @ np.reshape(t11.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
-    t14 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t10 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_K, L, 1)) * np.reshape(t3, (n_batch, d_K, 1, L)))
+    t14 = ((np.reshape(t13, (n_batch, d_K, L**2)) @ np.reshape(t12.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
+    t0[...] = (np.reshape(t10, (d_V, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -3464,7 +3453,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_K**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -3516,12 +3505,12 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
-    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
-    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
+    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3575,10 +3564,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = ((np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t12 = np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t13 = (np.reshape((np.reshape(t12.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t8), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
+    t11 = np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t12 = (np.reshape((np.reshape(t11.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t8), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t13 = ((np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3636,7 +3625,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t14 = (np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t1, (n_batch, d_V, 1, L)))
     t15 = ((np.reshape(t14, (n_batch, d_V, L**2)) @ np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t15, (d_V, L*n_batch)) @ np.reshape(t11.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -3688,7 +3677,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -3742,12 +3731,12 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t12 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
-    t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
-    t14 = np.reshape((np.reshape(t13.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
+    t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3808,7 +3797,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t15 = (np.reshape((np.reshape(t14.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t5), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t16 = ((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -3870,8 +3859,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13)
-    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t15, t13)).transpose(1, 0)
     return out
 
 
@@ -3923,10 +3911,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = np.swapaxes(t4, -1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = ((np.reshape(t13, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t16 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
+    t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t16 = (np.reshape((np.reshape(t15.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = ((np.reshape(t13, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3991,7 +3979,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t16 = (np.reshape((np.reshape(t15.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t13), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -4056,8 +4044,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = t14.sum((0,))
-    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t16, (d_V, 1)) * np.reshape(t14.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -4122,48 +4109,46 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = t19.sum((0,))
-    t3 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
-    t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = np.reshape(t23, (d_V, d_K, d_V, d_V), copy=False)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t26 = np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t27 = (np.reshape((np.reshape(t26.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t24[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = np.swapaxes(t19, -1, -2)
-    t33 = t32.sum((0,))
-    t31 += oe.contract('ab,c->acb', t33, t21, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34[...] = 0
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
-    t37 = np.swapaxes(W_Q, -1, -2)
-    t38 = t37 @ t4
-    t39 = np.swapaxes(Mcausal, -1, -2)
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t42 = np.reshape((np.reshape(t40, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t43 = (np.reshape((np.reshape(t42.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t36[...] = oe.contract('abcd,efcd->eafb', t41, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
-    t46 = np.swapaxes(G, -1, -2)
-    t47 = np.swapaxes(t6, -1, -2)
-    t48 = (np.reshape((np.reshape(t42.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t47), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t49 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
-    t52 = np.swapaxes(t38, -1, -2)
-    t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t51[...] = oe.contract('abcd,efcd->eafb', t53, t43, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
+    t3 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t19.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t23[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
+    t30 = np.einsum('abcb->abc', t29)
+    t31 = np.swapaxes(t19, -1, -2)
+    t30 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t31.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t32 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32[...] = 0
+    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
+    t35 = np.swapaxes(W_Q, -1, -2)
+    t36 = t35 @ t4
+    t37 = np.swapaxes(Mcausal, -1, -2)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = np.reshape((np.reshape(t38, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t40 = (np.reshape((np.reshape(t39.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t34[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
+    t44 = np.swapaxes(G, -1, -2)
+    t45 = np.swapaxes(t6, -1, -2)
+    t46 = (np.reshape((np.reshape(t39.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t45), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t47 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t43[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(t36, -1, -2)
+    t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t49[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -4367,8 +4352,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = t17.sum((0,))
-    t1 += oe.contract('ab,c->acb', t20, t19, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t19, (d_K, 1)) * np.reshape(t17.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -4430,7 +4414,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t14 = (np.reshape((np.reshape(t13.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -4522,8 +4506,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = t19.sum((0,))
-    t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t19.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -4607,10 +4590,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4701,7 +4684,7 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t14), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -4769,10 +4752,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(Mcausal, -1, -2)
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4857,12 +4840,12 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t9), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t14, (d_K**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
-    t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t20 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.einsum('abcb->abc', t17)
     t22 = t18 @ t4
     t23 = (1/math.sqrt(d_K)) * t22
@@ -4879,9 +4862,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 @ X
     t32 = np.ones((d_K,), dtype=X.dtype)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = ((np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t21 += oe.contract('ab,c->acb', t34, t33, optimize=[(0, 1)])
+    t34 = (np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t21 += (np.reshape((np.reshape(t34, (d_V**2, 1)) * np.reshape(t33, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
     t37 = t24 @ X
@@ -4894,8 +4877,8 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t44 = np.reshape((np.reshape(t43, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t45 = (np.reshape((np.reshape(t44.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t36[...] = oe.contract('abcd,efcd->eafb', t40, t42, optimize=[(0, 1)])
-    t36 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t36[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t36 += (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = np.swapaxes(t18, -1, -2)
@@ -4910,46 +4893,46 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t58 = np.swapaxes(t29, -1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
-    t61 = ((np.reshape(t60.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 += oe.contract('ab,c->acb', t61, t33, optimize=[(0, 1)])
+    t61 = (np.reshape(t60.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t48[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t57 += (np.reshape((np.reshape(t61, (d_V**2, 1)) * np.reshape(t33, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
-    t64 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t65 = (np.reshape((np.reshape(t54.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t64 = (np.reshape((np.reshape(t54.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t65 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t67 = np.reshape(t66, (d_V, d_K, d_V, d_V), copy=False)
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t69 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t70 = np.reshape((np.reshape(t68, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t71 = (np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t69 = np.reshape((np.reshape(t68, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t70 = (np.reshape((np.reshape(t69.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t71 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
     t73 = np.reshape((np.reshape(t72, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t74 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t73.transpose(2, 0, 1, 3), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(3, 1, 0, 2)
     t75 = ((np.reshape(t37, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t67[...] = oe.contract('abcd,efcd->eafb', t69, t71, optimize=[(0, 1)])
-    t67 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t67 += (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t77 = np.reshape(t76, (d_V, d_V, d_V, d_K), copy=False)
     t78 = np.swapaxes(T, -1, -2)
     t79 = t50 * t78
-    t80 = np.reshape((np.reshape(t38.transpose(1, 0), (L, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t81 = (np.reshape((np.reshape(t80.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t82 = (t79.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t83 = ((np.reshape(t82, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t80 = (t79.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t81 = ((np.reshape(t80, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t82 = np.reshape((np.reshape(t38.transpose(1, 0), (L, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t83 = (np.reshape((np.reshape(t82.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t84 = np.swapaxes(G, -1, -2)
-    t85 = (np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t85 = (np.reshape((np.reshape(t69.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t86 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t77[...] = oe.contract('abcd,efcd->eafb', t81, t83, optimize=[(0, 1)])
-    t77 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t77[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t77 += (np.reshape((np.reshape(t85, (d_K*d_V, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t88 = np.reshape(t87, (d_V, d_V, d_V, d_K), copy=False)
-    t89 = ((np.reshape(t82, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t90 = (np.reshape((np.reshape(t80.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t89 = ((np.reshape(t80, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t90 = (np.reshape((np.reshape(t82.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t91 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t88[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
-    t88 += oe.contract('abcd,efcd->eafb', t91, t71, optimize=[(0, 1)])
+    t88[...] = (np.reshape((np.reshape(t89, (d_K*d_V, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t88 += (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
     t93 = np.reshape(t92, (d_V, d_V, d_V, d_V), copy=False)
@@ -4958,8 +4941,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t37
     t97 = np.ones((d_V,), dtype=X.dtype)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t99 = t96.sum((0,))
-    t94 += oe.contract('ab,c->acb', t99, t98, optimize=[(0, 1)])
+    t94 += (np.reshape((np.reshape(t98, (d_V, 1)) * np.reshape(t96.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -5214,12 +5196,12 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = np.swapaxes(t3, -1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
-    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
-    t12 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_K, L, 1)) * np.reshape(t3, (n_batch, d_K, 1, L)))
-    t13 = ((np.reshape(t12, (n_batch, d_K, L**2)) @ np.reshape(t11.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
-    t14 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t10 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_K, L, 1)) * np.reshape(t3, (n_batch, d_K, 1, L)))
+    t14 = ((np.reshape(t13, (n_batch, d_K, L**2)) @ np.reshape(t12.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
+    t0[...] = (np.reshape(t10, (d_V, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -5269,7 +5251,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_K**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -5321,11 +5303,11 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
-    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
-    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
+    t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t14 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t15 = np.einsum('abcb->abc', t0)
     t16 = t8 @ t3
     t17 = (1/math.sqrt(d_K)) * t16
@@ -5342,9 +5324,9 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = np.ones((d_K,), dtype=X.dtype)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = ((np.reshape(t25.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
-    t15 += oe.contract('ab,c->acb', t28, t27, optimize=[(0, 1)])
+    t28 = (np.reshape(t25.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t15 += (np.reshape((np.reshape(t28, (d_V**2, 1)) * np.reshape(t27, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     return out
 
 
@@ -5429,8 +5411,8 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t19 = (np.reshape((np.reshape(t18.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t11, (d_K*d_V, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -5505,7 +5487,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t14 = (np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t1, (n_batch, d_V, 1, L)))
     t15 = ((np.reshape(t14, (n_batch, d_V, L**2)) @ np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)))).transpose(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t15, (d_V, L*n_batch)) @ np.reshape(t11.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -5576,9 +5558,9 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = ((np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t16 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
+    t32 = (np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t16 += (np.reshape((np.reshape(t32, (d_V**2, 1)) * np.reshape(t31, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     return out
 
 
@@ -5655,12 +5637,12 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = np.swapaxes(t3, -1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t12 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
-    t13 = (np.reshape(t12.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
-    t14 = np.reshape((np.reshape(t13.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
+    t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
+    t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
+    t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t15 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5722,17 +5704,17 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t19 = t10 @ X
     t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t21 = np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = (np.reshape((t22.transpose(1, 0, 2) @ np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(3, 1, 0, 2)
     t24 = ((np.reshape(t19, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -5813,8 +5795,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13)
-    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t15, t13)).transpose(1, 0)
     return out
 
 
@@ -5865,10 +5846,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = np.swapaxes(t4, -1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t14 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t15 = (np.reshape((np.reshape(t14.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t16 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t17 = ((np.reshape(t16, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t14 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t15 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t16 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t18 = Mcausal * T
     t19 = np.swapaxes(t11, -1, -2)
     t20 = t18 @ t19
@@ -5881,8 +5862,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -5975,11 +5956,11 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t22
     t23 = np.swapaxes(G, -1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t25 = ((np.reshape(t12, (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t26 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t27 = (np.reshape((np.reshape(t26.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t25, t27, optimize=[(0, 1)])
+    t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t27 = ((np.reshape(t12, (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6063,8 +6044,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = t14.sum((0,))
-    t1 += oe.contract('ab,c->acb', t17, t16, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t16, (d_V, 1)) * np.reshape(t14.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -6733,14 +6713,14 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t20 = ((t19.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
     t23 = X @ W_Q
@@ -6748,16 +6728,16 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
-    t28 = ((t27.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t28 = ((t27.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t22[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
     t31 = T @ X
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t34 = (np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t35 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t30[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t33 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t34 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t35 = (np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t30[...] = (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
     t38 = np.swapaxes(t25, -1, -2)
@@ -6766,40 +6746,40 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t41 = t40.sum(-2, keepdims=True)
     t42 = np.broadcast_to(t41, t41.shape[:-2] + (d_V, t41.shape[-1]))
     t43 = (1/(L*d_K*n_batch)) * t39
-    t44 = (np.reshape(t42, (n_batch, d_V, L, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
-    t45 = ((t18.transpose(0, 2, 1, 3) @ t44.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t37[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t45 = (np.reshape(t42, (n_batch, d_V, L, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t46 = ((t19.transpose(0, 2, 1, 3) @ t45.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t37[...] = (np.reshape((np.reshape(t44, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t50 = ((t27.transpose(0, 2, 1, 3) @ t44.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t50 = ((t27.transpose(0, 2, 1, 3) @ t45.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t48[...] = (np.reshape((np.reshape(t49, (d_K**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_V), copy=False)
     t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t54 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t55 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t38.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t56 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t54 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t55 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t56 = (np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t38.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t52[...] = (np.reshape((np.reshape(t54, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
     t59 = np.swapaxes(t31, -1, -2)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
-    t61 = (np.reshape((np.reshape(t33, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t62 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t62 = (np.reshape((np.reshape(t34, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t58[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t64 = np.reshape(t63, (d_V, d_V, d_V, d_K), copy=False)
     t65 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t66 = (np.reshape((np.reshape(t33, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t64[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t66 = (np.reshape((np.reshape(t34, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t64[...] = (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
     t69 = (1/(L*n_batch)) * t59
     t70 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t71 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t68[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -6874,7 +6854,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6971,14 +6951,14 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t18 = (np.reshape((np.reshape(t17, (n_batch, d_K, L, 1, d_V)) @ np.reshape(t16.transpose(0, 3, 2, 1), (n_batch, d_K, L, d_V, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
-    t19 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t16 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t17 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(1, 0, 2, 3), (d_K, n_batch, L, 1, d_V)) @ np.reshape(t17.transpose(3, 0, 2, 1), (d_K, n_batch, L, d_V, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -7004,7 +6984,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = (t13 @ t4)
@@ -7037,14 +7017,14 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t18 = ((t17.transpose(0, 2, 1, 3) @ t16.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7070,7 +7050,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7108,7 +7088,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
@@ -7117,7 +7097,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t19 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t20 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t21 = ((t20.transpose(0, 2, 1, 3) @ t19.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -7143,7 +7123,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
@@ -7183,13 +7163,13 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
-    t18 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7215,7 +7195,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
@@ -7255,14 +7235,14 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
-    t22 = (np.reshape((np.reshape(t21, (n_batch, d_V, L, 1, d_V)) @ np.reshape(t20.transpose(0, 3, 2, 1), (n_batch, d_V, L, d_V, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
+    t22 = np.reshape((np.reshape(t21.transpose(1, 0, 2, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t20.transpose(3, 0, 2, 1), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t22, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -7291,7 +7271,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t18 = (t16 @ t2)
@@ -7327,16 +7307,16 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
-    t22 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t23 = ((t22.transpose(0, 2, 1, 3) @ t21.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t23 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t24 = ((t23.transpose(0, 2, 1, 3) @ t22.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7365,7 +7345,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
@@ -7408,14 +7388,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -7444,7 +7424,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7485,13 +7465,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t21 = ((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t19 = ((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7520,7 +7500,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
@@ -7558,11 +7538,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
-    t17 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -7589,7 +7569,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -7620,16 +7600,16 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t1
     t17 = np.swapaxes(t3, -1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = (np.reshape((np.reshape(t20, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (np.reshape((np.reshape(t21, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7656,7 +7636,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
@@ -7697,7 +7677,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = X @ W_Q
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t1
@@ -7706,7 +7686,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t20 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = (np.reshape((np.reshape(t21, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t22, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -7733,7 +7713,7 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
@@ -7774,11 +7754,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -7805,7 +7785,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7853,50 +7833,48 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = t21.sum((0,))
-    t3 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
-    t27 = t4 @ G
-    t28 = t8 @ X
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t30 = t29.transpose(1, 2, 0)
-    t31 = t28.transpose(1, 2, 0)
-    t26[...] = oe.contract('abc,dec->adeb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.einsum('abcb->abc', t33)
-    t35 = np.swapaxes(t21, -1, -2)
-    t36 = t35.sum((0,))
-    t34 += oe.contract('ab,c->acb', t36, t23, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t40 = t4 @ X
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t42 = t41 @ t4
-    t43 = t42 @ G
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t45 = t43.transpose(1, 2, 0)
-    t46 = t44.transpose(1, 2, 0)
-    t39[...] = oe.contract('abc,dec->daeb', t45, t46, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = np.swapaxes(t28, -1, -2)
-    t50 = np.swapaxes(t27, -1, -2)
-    t51 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t52 = t51.transpose(1, 2, 0)
-    t53 = t50.transpose(1, 2, 0)
-    t48[...] = oe.contract('abc,dec->adeb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
-    t56 = np.swapaxes(t43, -1, -2)
-    t57 = t56.transpose(1, 2, 0)
-    t55[...] = oe.contract('abc,dec->daeb', t57, t46, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58[...] = 0
+    t3 += (np.reshape((np.reshape(t23, (d_K, 1)) * np.reshape(t21.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
+    t26 = t4 @ G
+    t27 = t8 @ X
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t29 = t28.transpose(1, 2, 0)
+    t30 = t27.transpose(1, 2, 0)
+    t25[...] = (np.reshape((np.reshape(t29, (d_V**2, n_batch)) @ np.reshape(t30.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31[...] = 0
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.einsum('abcb->abc', t32)
+    t34 = np.swapaxes(t21, -1, -2)
+    t33 += (np.reshape((np.reshape(t23, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35[...] = 0
+    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
+    t38 = t4 @ X
+    t39 = np.swapaxes(W_Q, -1, -2)
+    t40 = t39 @ t4
+    t41 = t40 @ G
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t43 = t42.transpose(1, 2, 0)
+    t44 = t41.transpose(1, 2, 0)
+    t37[...] = (np.reshape((np.reshape(t43, (d_V**2, n_batch)) @ np.reshape(t44.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
+    t47 = np.swapaxes(t27, -1, -2)
+    t48 = np.swapaxes(t26, -1, -2)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t50 = t49.transpose(1, 2, 0)
+    t51 = t48.transpose(1, 2, 0)
+    t46[...] = (np.reshape((np.reshape(t50, (d_K*d_V, n_batch)) @ np.reshape(t51.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = np.swapaxes(t41, -1, -2)
+    t55 = t54.transpose(1, 2, 0)
+    t53[...] = (np.reshape((np.reshape(t43, (d_V**2, n_batch)) @ np.reshape(t55.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -8089,8 +8067,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = t19.sum((0,))
-    t1 += oe.contract('ab,c->acb', t22, t21, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t19.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -8158,7 +8135,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
     t18 = t17.transpose(1, 2, 0)
     t19 = t16.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -8250,8 +8227,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = t20.sum((0,))
-    t1 += oe.contract('ab,c->acb', t23, t22, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t22, (d_K, 1)) * np.reshape(t20.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -8340,9 +8316,9 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t4 @ G
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = t18.transpose(1, 2, 0)
-    t21 = t19.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t20 = t19.transpose(1, 2, 0)
+    t21 = t18.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, n_batch)) @ np.reshape(t21.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8433,7 +8409,7 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t19 = t18.transpose(1, 2, 0)
     t20 = t17.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -8502,9 +8478,9 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = X @ W_Q
     t18 = t16 @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = t18.transpose(1, 2, 0)
-    t21 = t19.transpose(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t20 = t19.transpose(1, 2, 0)
+    t21 = t18.transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, n_batch)) @ np.reshape(t21.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8588,14 +8564,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t20 = ((t19.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
     t23 = X @ W_Q
@@ -8603,7 +8579,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
-    t28 = ((t27.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t28 = ((t27.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t29 = np.einsum('abcb->abc', t22)
     F = t12
     t30 = np.exp(F - F.max(-1, keepdims=True))
@@ -8616,23 +8592,23 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = np.ones((d_K,), dtype=X.dtype)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = ((np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
-    t29 += oe.contract('ab,c->acb', t39, t38, optimize=[(0, 1)])
+    t39 = (np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t22[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t29 += (np.reshape((np.reshape(t39, (d_V**2, 1)) * np.reshape(t38, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
     t42 = t4 @ X
     t43 = T @ X
     t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t46 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t42.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-    t47 = (np.reshape((t46.transpose(1, 2, 0) @ np.reshape(t45.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
-    t48 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t45 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t47 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t42.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t48 = (np.reshape((t47.transpose(1, 2, 0) @ np.reshape(t46.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t50 = ((G.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t51 = t42.transpose(1, 2, 0)
-    t41[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t41 += oe.contract('abc,dec->adeb', t50, t51, optimize=[(0, 1)])
+    t50 = t42.transpose(1, 2, 0)
+    t51 = ((G.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t41[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t41 += (np.reshape((np.reshape(t50, (d_K*d_V, n_batch)) @ np.reshape(t51.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
     t54 = np.swapaxes(t25, -1, -2)
@@ -8641,62 +8617,62 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56.sum(-2, keepdims=True)
     t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
     t59 = (1/(L*d_K*n_batch)) * t55
-    t60 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
-    t61 = ((t18.transpose(0, 2, 1, 3) @ t60.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t62 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t61 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t62 = ((t19.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t63 = np.einsum('abcb->abc', t53)
     t64 = np.swapaxes(G, -1, -2)
     t65 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
-    t66 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t65, (L*n_batch, d_V)))).transpose(1, 0)
-    t53[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
-    t63 += oe.contract('ab,c->acb', t66, t38, optimize=[(0, 1)])
+    t66 = (np.reshape(t65.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+    t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t63 += (np.reshape((np.reshape(t66, (d_V**2, 1)) * np.reshape(t38, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
     t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
     t69 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t70 = ((t27.transpose(0, 2, 1, 3) @ t60.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t70 = ((t27.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t68[...] = (np.reshape((np.reshape(t69, (d_K**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t72 = np.reshape(t71, (d_V, d_K, d_V, d_V), copy=False)
     t73 = t2 @ X
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t75 = ((G.transpose(0, 2, 1) @ t74.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t76 = t73.transpose(1, 2, 0)
+    t75 = t73.transpose(1, 2, 0)
+    t76 = ((G.transpose(0, 2, 1) @ t74.transpose(0, 2, 1))).transpose(2, 1, 0)
     t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t78 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t79 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t73.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-    t80 = (np.reshape((t79.transpose(1, 2, 0) @ np.reshape(t78.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
-    t81 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t72[...] = oe.contract('abc,dec->daeb', t75, t76, optimize=[(0, 1)])
-    t72 += oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
+    t78 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t79 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t80 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t73.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t81 = (np.reshape((t80.transpose(1, 2, 0) @ np.reshape(t79.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
+    t72[...] = (np.reshape((np.reshape(t75, (d_V**2, n_batch)) @ np.reshape(t76.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t72 += (np.reshape((np.reshape(t78, (d_K*d_V, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t83 = np.reshape(t82, (d_V, d_V, d_V, d_K), copy=False)
     t84 = np.swapaxes(t4, -1, -2)
     t85 = t64 @ X
-    t86 = ((t84.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t87 = t85.transpose(1, 2, 0)
+    t86 = t85.transpose(1, 2, 0)
+    t87 = ((t84.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
     t88 = np.swapaxes(T, -1, -2)
     t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
-    t90 = (np.reshape((np.reshape(t45, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t90 = (np.reshape((np.reshape(t46, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t91 = (t89.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
     t92 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t83[...] = oe.contract('abc,dec->adeb', t86, t87, optimize=[(0, 1)])
-    t83 += oe.contract('abcd,efcd->eafb', t90, t92, optimize=[(0, 1)])
+    t83[...] = (np.reshape((np.reshape(t86, (d_V**2, n_batch)) @ np.reshape(t87.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t83 += (np.reshape((np.reshape(t90, (d_K*d_V, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t94 = np.reshape(t93, (d_V, d_V, d_V, d_K), copy=False)
     t95 = t64 @ t23
     t96 = t95.transpose(1, 2, 0)
     t97 = ((X.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t98 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t99 = (np.reshape((np.reshape(t45, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t94[...] = oe.contract('abc,dec->daeb', t96, t97, optimize=[(0, 1)])
-    t94 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t98 = (np.reshape((np.reshape(t46, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t99 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t94[...] = (np.reshape((np.reshape(t96, (d_K*d_V, n_batch)) @ np.reshape(t97.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t94 += (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = np.reshape(t100, (d_V, d_V, d_V, d_V), copy=False)
     t102 = np.swapaxes(t43, -1, -2)
     t103 = (1/(L*n_batch)) * t102
     t104 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t105 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t103.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t101[...] = oe.contract('abcd,efcd->eafb', t104, t105, optimize=[(0, 1)])
+    t101[...] = (np.reshape((np.reshape(t104, (d_V**2, L*n_batch)) @ np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -8795,7 +8771,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8953,14 +8929,14 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t18 = (np.reshape((np.reshape(t17, (n_batch, d_K, L, 1, d_V)) @ np.reshape(t16.transpose(0, 3, 2, 1), (n_batch, d_K, L, d_V, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
-    t19 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t16 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t17 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(1, 0, 2, 3), (d_K, n_batch, L, 1, d_V)) @ np.reshape(t17.transpose(3, 0, 2, 1), (d_K, n_batch, L, d_V, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -8986,7 +8962,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = (t13 @ t4)
@@ -9019,14 +8995,14 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t18 = ((t17.transpose(0, 2, 1, 3) @ t16.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9052,7 +9028,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9090,7 +9066,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
@@ -9111,9 +9087,9 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = ((np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
-    t22 += oe.contract('ab,c->acb', t32, t31, optimize=[(0, 1)])
+    t32 = (np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t22 += (np.reshape((np.reshape(t32, (d_V**2, 1)) * np.reshape(t31, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     return out
 
 
@@ -9150,7 +9126,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A20 = t19 / t19.sum(-1, keepdims=True)
     t21 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A20, (n_batch, L, d_V, 1)) * np.reshape(A20, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A20, (n_batch, L, d_V, 1)) * np.reshape(A20, (n_batch, L, 1, d_V)))
     t22 = X @ W_Q
     t23 = t14 @ X
     t24 = (t22 @ t18)
@@ -9194,13 +9170,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-    t18 = (np.reshape((t17.transpose(1, 2, 0) @ np.reshape(t16.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
-    t19 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+    t19 = (np.reshape((t18.transpose(1, 2, 0) @ np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
     F = t11
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
@@ -9209,10 +9185,10 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/L) * t23
     G = t24
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t26 = ((G.transpose(0, 2, 1) @ t25.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t27 = t4.transpose(1, 2, 0)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
+    t26 = t4.transpose(1, 2, 0)
+    t27 = ((G.transpose(0, 2, 1) @ t25.transpose(0, 2, 1))).transpose(2, 1, 0)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t26, (d_K*d_V, n_batch)) @ np.reshape(t27.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -9238,7 +9214,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9293,14 +9269,14 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
-    t22 = (np.reshape((np.reshape(t21, (n_batch, d_V, L, 1, d_V)) @ np.reshape(t20.transpose(0, 3, 2, 1), (n_batch, d_V, L, d_V, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
+    t22 = np.reshape((np.reshape(t21.transpose(1, 0, 2, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t20.transpose(3, 0, 2, 1), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t22, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -9329,7 +9305,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t18 = (t16 @ t2)
@@ -9365,15 +9341,15 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
-    t22 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
-    t23 = ((t22.transpose(0, 2, 1, 3) @ t21.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+    t23 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+    t24 = ((t23.transpose(0, 2, 1, 3) @ t22.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t25 = np.einsum('abcb->abc', t0)
     t26 = Y.sum(-1, keepdims=True)
     t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
@@ -9388,9 +9364,9 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t34 = np.ones((d_K,), dtype=X.dtype)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t36 = (t33.transpose(0, 2, 1) @ t3.transpose(0, 2, 1))
-    t37 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t36, (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('ab,c->acb', t37, t35, optimize=[(0, 1)])
+    t37 = (np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t25 += (np.reshape((np.reshape(t37, (d_V**2, 1)) * np.reshape(t35, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
     return out
 
 
@@ -9432,7 +9408,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t27 = np.swapaxes(t1, -1, -2)
     t28 = np.swapaxes(t6, -1, -2)
     t29 = t27 @ t28
@@ -9478,14 +9454,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -9514,7 +9490,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9558,8 +9534,8 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/L) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t19 = ((G.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t20 = t2.transpose(1, 2, 0)
+    t19 = t2.transpose(1, 2, 0)
+    t20 = ((G.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
     t21 = np.swapaxes(Y, -1, -2)
     t22 = t21.sum(-2, keepdims=True)
     t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
@@ -9567,15 +9543,15 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t29 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t30 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-    t31 = (np.reshape((t30.transpose(1, 2, 0) @ np.reshape(t29.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
-    t32 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t29 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t31 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+    t32 = (np.reshape((t31.transpose(1, 2, 0) @ np.reshape(t30.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -9617,7 +9593,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t29 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
@@ -9660,11 +9636,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
-    t17 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -9691,7 +9667,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -9726,14 +9702,14 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = t15 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = ((t2.transpose(0, 2, 1) @ t17.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t19 = t16.transpose(1, 2, 0)
+    t18 = t16.transpose(1, 2, 0)
+    t19 = ((t2.transpose(0, 2, 1) @ t17.transpose(0, 2, 1))).transpose(2, 1, 0)
     t20 = np.swapaxes(T, -1, -2)
     t21 = np.exp(t10 - t10.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
     t24 = np.swapaxes(t9, -1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
@@ -9741,8 +9717,8 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (np.reshape((np.reshape(t27, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t29 = (t26.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t30 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t30, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t0 += (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -9781,7 +9757,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
     t24 = np.swapaxes(t8, -1, -2)
     t25 = t24 @ t1
     t26 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9838,16 +9814,16 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(t9, -1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
-    t28 = (t27.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t29 = ((np.reshape(t28, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t31 = (np.reshape((np.reshape(t30, (n_batch, L*d_V, d_V)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t31, optimize=[(0, 1)])
+    t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = (np.reshape((np.reshape(t28, (n_batch, L*d_V, d_V)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t30 = (t27.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t31 = ((np.reshape(t30, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -9887,7 +9863,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(t8, -1, -2)
     t26 = t25 @ X
     t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9932,11 +9908,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -9963,7 +9939,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9996,7 +9972,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10034,7 +10010,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
@@ -10092,7 +10068,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
@@ -10149,7 +10125,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
@@ -10213,7 +10189,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10254,7 +10230,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
@@ -10312,7 +10288,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
@@ -10373,7 +10349,7 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
@@ -10434,7 +10410,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10545,38 +10521,38 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t26 = X.transpose(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t18 = X.transpose(2, 0, 1)
+    t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
+    t26 = (np.reshape((np.reshape(t25, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
     t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
     t29 = X @ W_Q
     t30 = t29.transpose(2, 0, 1)
-    t31 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+    t31 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
     t32 = (np.reshape((np.reshape(t31, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
+    t28[...] = np.reshape((np.reshape(t32, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
     t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
     t35 = t11 @ X
     t36 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t37 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t39 = np.reshape((np.reshape(t38.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t36, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t40 = np.reshape((np.reshape(t39.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t41 = (np.reshape((np.reshape(t40, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
-    t42 = t35.transpose(2, 0, 1)
-    t34[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t37 = t35.transpose(2, 0, 1)
+    t38 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t40 = np.reshape((np.reshape(t39.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t36, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t41 = np.reshape((np.reshape(t40.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t42 = (np.reshape((np.reshape(t41, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t34[...] = (np.reshape((np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t42.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
     t45 = np.swapaxes(t29, -1, -2)
@@ -10585,19 +10561,19 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = t47.sum(-2, keepdims=True)
     t49 = np.broadcast_to(t48, t48.shape[:-2] + (d_V, t48.shape[-1]))
     t50 = (1/(L*d_K*n_batch)) * t46
-    t51 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t51 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t52 = np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t53 = np.reshape((np.reshape(t52.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t50.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t54 = np.reshape((np.reshape(t53.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t55 = np.reshape((np.reshape(t54.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
     t57 = (np.reshape((np.reshape(t56, (n_batch, L, d_K*d_V, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t44[...] = oe.contract('abcde,fde->abfc', t57, t26, optimize=[(0, 1)])
+    t44[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t57.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
     t60 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t61 = (np.reshape((np.reshape(t60, (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t59[...] = oe.contract('abc,defbc->defa', t30, t61, optimize=[(0, 1)])
+    t59[...] = np.reshape((np.reshape(t61, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
     t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
     t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t46
@@ -10606,26 +10582,26 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t67 = np.reshape((np.reshape(t66.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t68 = np.reshape((np.reshape(t67.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t69 = (np.reshape((np.reshape(t68, (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
-    t63[...] = oe.contract('abcde,fde->abfc', t69, t42, optimize=[(0, 1)])
+    t63[...] = (np.reshape((np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t69.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
     t72 = np.swapaxes(t35, -1, -2)
-    t73 = np.reshape((np.reshape(t18.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t36.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t73 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t36.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t74 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
     t75 = (np.reshape(t7, (n_batch, L, d_V, 1)) * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t76 = ((np.reshape(t75, (n_batch, L, d_V, d_V, 1)) * np.reshape(t74, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
-    t71[...] = oe.contract('abcde,fde->abfc', t76, t26, optimize=[(0, 1)])
+    t71[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t76.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_V, d_K))).transpose(1, 2, 0, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_V, d_V, d_K), copy=False)
     t79 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t80 = ((np.reshape(t75, (n_batch, L, d_V, d_V, 1)) * np.reshape(t79, (n_batch, L, d_V, 1, d_V)))).transpose(3, 2, 4, 0, 1)
-    t78[...] = oe.contract('abc,defbc->defa', t30, t80, optimize=[(0, 1)])
+    t78[...] = np.reshape((np.reshape(t80, (d_V**3, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_V, d_V, d_K))
     t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t82 = np.reshape(t81, (d_V, d_V, d_V, d_V), copy=False)
     t83 = (1/(L*n_batch)) * t72
     t84 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t85 = ((np.reshape(t35, (n_batch, L, d_V, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t82[...] = oe.contract('abcd,efcd->eafb', t84, t85, optimize=[(0, 1)])
+    t82[...] = (np.reshape((np.reshape(t84, (d_V**2, L*n_batch)) @ np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -10707,7 +10683,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -10816,19 +10792,19 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t23 = (np.reshape((t22.transpose(0, 3, 1, 2) @ np.reshape(t15.transpose(0, 2, 1), (n_batch, d_K, L, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
-    t24 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t17 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((t23.transpose(3, 0, 1, 2) @ np.reshape(t15.transpose(2, 0, 1), (d_K, n_batch, L, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -10855,7 +10831,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
@@ -10894,20 +10870,20 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
-    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t25 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t17 = X.transpose(2, 0, 1)
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -10934,7 +10910,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -10980,7 +10956,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10993,7 +10969,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
     t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
+    t0[...] = np.reshape((np.reshape(t25, (d_K*d_V**2, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
     return out
 
 
@@ -11020,7 +10996,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11066,16 +11042,16 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t18 = np.reshape((np.reshape(t17.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t20 = (np.reshape((np.reshape(t19, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
-    t21 = t14.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
+    t16 = t14.transpose(2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t19 = np.reshape((np.reshape(t18.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t21.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -11102,7 +11078,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -11147,7 +11123,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -11157,8 +11133,8 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t27 = (np.reshape((t26.transpose(0, 3, 1, 2) @ np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
+    t27 = np.reshape((t26.transpose(3, 0, 1, 2) @ np.reshape(X.transpose(2, 0, 1), (d_V, n_batch, L, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -11189,7 +11165,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11231,20 +11207,20 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t29 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
+    t21 = X.transpose(2, 0, 1)
+    t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
+    t29 = (np.reshape((np.reshape(t28, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t29.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -11275,7 +11251,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11325,7 +11301,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.transpose(2, 0, 1)
@@ -11337,7 +11313,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
+    t0[...] = np.reshape((np.reshape(t28, (d_K*d_V**2, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
     return out
 
 
@@ -11368,7 +11344,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11417,16 +11393,16 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
-    t25 = t18.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t20 = t18.transpose(2, 0, 1)
+    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -11457,7 +11433,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -11501,11 +11477,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
-    t19 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t18 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t19 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -11535,7 +11511,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -11569,18 +11545,18 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = np.swapaxes(t4, -1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t24 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t25 = ((np.reshape(t24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
-    t26 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t21 = X.transpose(2, 0, 1)
+    t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
+    t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t26 = ((np.reshape(t25, (n_batch, L, d_V, d_V, 1)) * np.reshape(t24, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_V, d_K))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -11610,7 +11586,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
@@ -11656,7 +11632,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
@@ -11667,7 +11643,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t26 = ((np.reshape(t25, (n_batch, L, d_V, d_V, 1)) * np.reshape(t24, (n_batch, L, d_V, 1, d_V)))).transpose(3, 2, 4, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t21, t26, optimize=[(0, 1)])
+    t0[...] = np.reshape((np.reshape(t26, (d_V**3, L*n_batch)) @ np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_V, d_V, d_K))
     return out
 
 
@@ -11697,7 +11673,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -11743,11 +11719,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -11777,7 +11753,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11828,48 +11804,46 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = t23.sum((0,))
-    t3 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t30 = np.reshape((np.reshape(t29, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t31 = (np.reshape((np.reshape(t30.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t35 = np.einsum('abcb->abc', t34)
-    t36 = np.swapaxes(t23, -1, -2)
-    t37 = t36.sum((0,))
-    t35 += oe.contract('ab,c->acb', t37, t25, optimize=[(0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38[...] = 0
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t42 = t41 @ t4
-    t43 = np.swapaxes(Mcausal, -1, -2)
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t45 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t46 = np.reshape((np.reshape(t44, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t47 = (np.reshape((np.reshape(t46.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t40[...] = oe.contract('abcd,efcd->eafb', t45, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = np.swapaxes(G, -1, -2)
-    t51 = np.swapaxes(t8, -1, -2)
-    t52 = (np.reshape((np.reshape(t46.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t51), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t53 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t50.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t49[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
-    t56 = np.swapaxes(t42, -1, -2)
-    t57 = ((np.reshape(t56, (n_batch, L, d_K, 1)) * np.reshape(t50.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t55[...] = oe.contract('abcd,efcd->eafb', t57, t47, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58[...] = 0
+    t3 += (np.reshape((np.reshape(t25, (d_K, 1)) * np.reshape(t23.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t27[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.einsum('abcb->abc', t33)
+    t35 = np.swapaxes(t23, -1, -2)
+    t34 += (np.reshape((np.reshape(t25, (d_K, 1)) * np.reshape(t35.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36[...] = 0
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
+    t39 = np.swapaxes(W_Q, -1, -2)
+    t40 = t39 @ t4
+    t41 = np.swapaxes(Mcausal, -1, -2)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = np.reshape((np.reshape(t42, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t44 = (np.reshape((np.reshape(t43.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t45 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t40.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t38[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
+    t48 = np.swapaxes(G, -1, -2)
+    t49 = np.swapaxes(t8, -1, -2)
+    t50 = (np.reshape((np.reshape(t43.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t49), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t51 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t47[...] = (np.reshape((np.reshape(t50, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = np.swapaxes(t40, -1, -2)
+    t55 = ((np.reshape(t54, (n_batch, L, d_K, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t53[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -12088,8 +12062,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = t21.sum((0,))
-    t1 += oe.contract('ab,c->acb', t24, t23, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t23, (d_K, 1)) * np.reshape(t21.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -12161,7 +12134,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -12263,8 +12236,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = t23.sum((0,))
-    t1 += oe.contract('ab,c->acb', t26, t25, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t25, (d_K, 1)) * np.reshape(t23.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -12358,10 +12330,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t21 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t22 = (np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
+    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -12462,7 +12434,7 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -12540,10 +12512,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(Mcausal, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t22 = (np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
+    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t22 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -12635,25 +12607,25 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t26 = X.transpose(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t18 = X.transpose(2, 0, 1)
+    t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
+    t26 = (np.reshape((np.reshape(t25, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
     t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
     t29 = X @ W_Q
     t30 = t29.transpose(2, 0, 1)
-    t31 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+    t31 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
     t32 = (np.reshape((np.reshape(t31, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
     t33 = np.einsum('abcb->abc', t28)
     F = t12
@@ -12668,26 +12640,26 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = t40 @ X
     t42 = np.ones((d_K,), dtype=X.dtype)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t44 = ((np.reshape(t41.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
-    t33 += oe.contract('ab,c->acb', t44, t43, optimize=[(0, 1)])
+    t44 = (np.reshape(t41.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t28[...] = np.reshape((np.reshape(t32, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
+    t33 += (np.reshape((np.reshape(t44, (d_V**2, 1)) * np.reshape(t43, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
     t47 = t11 @ X
     t48 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t49 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t50 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t51 = np.reshape((np.reshape(t50.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t49.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t52 = np.reshape((np.reshape(t51.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t53 = np.reshape((np.reshape(t52.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t54 = (np.reshape((np.reshape(t53, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
-    t55 = t47.transpose(2, 0, 1)
+    t49 = t47.transpose(2, 0, 1)
+    t50 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t51 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t52 = np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t50.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t53 = np.reshape((np.reshape(t52.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t54 = np.reshape((np.reshape(t53.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t55 = (np.reshape((np.reshape(t54, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
     t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t57 = np.reshape((np.reshape(t56, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t58 = (np.reshape((np.reshape(t57.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t59 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t46[...] = oe.contract('abcde,fde->abfc', t54, t55, optimize=[(0, 1)])
-    t46 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t46[...] = (np.reshape((np.reshape(t49, (d_V, L*n_batch)) @ np.reshape(t55.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
+    t46 += (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
     t62 = np.swapaxes(t29, -1, -2)
@@ -12696,7 +12668,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = t64.sum(-2, keepdims=True)
     t66 = np.broadcast_to(t65, t65.shape[:-2] + (d_V, t65.shape[-1]))
     t67 = (1/(L*d_K*n_batch)) * t63
-    t68 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t68 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t69 = np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t70 = np.reshape((np.reshape(t69.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t67.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t71 = np.reshape((np.reshape(t70.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
@@ -12707,57 +12679,57 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t76 = np.swapaxes(t39, -1, -2)
     t77 = t76 * t63
     t78 = (t77.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t79 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t78, (L*n_batch, d_V)))).transpose(1, 0)
-    t61[...] = oe.contract('abcde,fde->abfc', t74, t26, optimize=[(0, 1)])
-    t75 += oe.contract('ab,c->acb', t79, t43, optimize=[(0, 1)])
+    t79 = (np.reshape(t78.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+    t61[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t74.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
+    t75 += (np.reshape((np.reshape(t79, (d_V**2, 1)) * np.reshape(t43, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
     t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
     t82 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t83 = (np.reshape((np.reshape(t82, (n_batch, L, d_V**2, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t81[...] = oe.contract('abc,defbc->defa', t30, t83, optimize=[(0, 1)])
+    t81[...] = np.reshape((np.reshape(t83, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
     t84 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t85 = np.reshape(t84, (d_V, d_K, d_V, d_V), copy=False)
     t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t87 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t88 = np.reshape((np.reshape(t86, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t89 = (np.reshape((np.reshape(t88.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t87 = np.reshape((np.reshape(t86, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t88 = (np.reshape((np.reshape(t87.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t89 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
-    t91 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t92 = np.reshape((np.reshape(t91.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t49.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t93 = np.reshape((np.reshape(t92.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t90.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t94 = (np.reshape((np.reshape(t93.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t95 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t85[...] = oe.contract('abcd,efcd->eafb', t87, t89, optimize=[(0, 1)])
-    t85 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
+    t91 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t93 = np.reshape((np.reshape(t92.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t50.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t94 = np.reshape((np.reshape(t93.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t90.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t95 = (np.reshape((np.reshape(t94.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t85[...] = (np.reshape((np.reshape(t88, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t85 += (np.reshape((np.reshape(t91, (d_K*d_V, L*n_batch)) @ np.reshape(t95.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
     t98 = np.swapaxes(T, -1, -2)
     t99 = t63 * t98
-    t100 = np.reshape((np.reshape(t18.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t101 = np.reshape((np.reshape(t100.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t102 = (np.reshape((np.reshape(t101, (n_batch, L, d_V, d_K, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t103 = (t99.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t104 = ((np.reshape(t103, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t100 = (t99.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t101 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t102 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t104 = (np.reshape((np.reshape(t103, (n_batch, L, d_V, d_K, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t105 = np.swapaxes(G, -1, -2)
-    t106 = (np.reshape((np.reshape(t88.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t106 = (np.reshape((np.reshape(t87.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t107 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t97[...] = oe.contract('abcd,efcd->eafb', t102, t104, optimize=[(0, 1)])
-    t97 += oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t97[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t97 += (np.reshape((np.reshape(t106, (d_K*d_V, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
-    t110 = ((np.reshape(t103, (n_batch, L, d_V, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t111 = np.reshape((np.reshape(t100.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t110 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t111 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t112 = (np.reshape((np.reshape(t111, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t113 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t109[...] = oe.contract('abcd,efcd->aefb', t110, t112, optimize=[(0, 1)])
-    t109 += oe.contract('abcd,efcd->eafb', t113, t89, optimize=[(0, 1)])
+    t109[...] = (np.reshape((np.reshape(t110, (d_K*d_V, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t109 += (np.reshape((np.reshape(t88, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t115 = np.reshape(t114, (d_V, d_V, d_V, d_V), copy=False)
     t116 = np.swapaxes(t47, -1, -2)
     t117 = (1/(L*n_batch)) * t116
     t118 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t119 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t117.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t115[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t115[...] = (np.reshape((np.reshape(t118, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -12868,7 +12840,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13046,19 +13018,19 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t23 = (np.reshape((t22.transpose(0, 3, 1, 2) @ np.reshape(t15.transpose(0, 2, 1), (n_batch, d_K, L, 1))), (n_batch, d_K, L))).transpose(1, 0, 2)
-    t24 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t17 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((t23.transpose(3, 0, 1, 2) @ np.reshape(t15.transpose(2, 0, 1), (d_K, n_batch, L, 1))), (d_K, n_batch, L))
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -13085,7 +13057,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
@@ -13124,20 +13096,20 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t20.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
-    t24 = (np.reshape((np.reshape(t23, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t25 = X.transpose(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t17 = X.transpose(2, 0, 1)
+    t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
     return out
 
 
@@ -13164,7 +13136,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13210,7 +13182,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13236,9 +13208,9 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = np.ones((d_K,), dtype=X.dtype)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = ((np.reshape(t34.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
-    t26 += oe.contract('ab,c->acb', t37, t36, optimize=[(0, 1)])
+    t37 = (np.reshape(t34.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t0[...] = np.reshape((np.reshape(t25, (d_K*d_V**2, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
+    t26 += (np.reshape((np.reshape(t37, (d_V**2, 1)) * np.reshape(t36, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
     return out
 
 
@@ -13277,7 +13249,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))
     t23 = X @ W_Q
     t24 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t25 = (t23 @ t4)
@@ -13328,16 +13300,16 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t16.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t20 = np.reshape((np.reshape(t19.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
-    t22 = t14.transpose(2, 0, 1)
+    t16 = t14.transpose(2, 0, 1)
+    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
+    t22 = (np.reshape((np.reshape(t21, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
     F = t11
     t23 = np.exp(F - F.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -13349,8 +13321,8 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t22.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
+    t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -13377,7 +13349,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = t8 @ X
     t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13443,7 +13415,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -13453,8 +13425,8 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t27 = (np.reshape((t26.transpose(0, 3, 1, 2) @ np.reshape(X.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))).transpose(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
+    t27 = np.reshape((t26.transpose(3, 0, 1, 2) @ np.reshape(X.transpose(2, 0, 1), (d_V, n_batch, L, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)))
     return out
 
 
@@ -13485,7 +13457,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13527,19 +13499,19 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t29 = X.transpose(2, 0, 1)
+    t21 = X.transpose(2, 0, 1)
+    t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
+    t29 = (np.reshape((np.reshape(t28, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
     t30 = np.einsum('abcb->abc', t0)
     t31 = Y.sum(-1, keepdims=True)
     t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
@@ -13556,9 +13528,9 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t41 = np.ones((d_K,), dtype=X.dtype)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
     t43 = (t40.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t44 = ((np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t43, (L*n_batch, d_V)))).transpose(1, 0)
-    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
-    t30 += oe.contract('ab,c->acb', t44, t42, optimize=[(0, 1)])
+    t44 = (np.reshape(t43.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t29.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
+    t30 += (np.reshape((np.reshape(t44, (d_V**2, 1)) * np.reshape(t42, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
     return out
 
 
@@ -13606,7 +13578,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(t9, -1, -2)
     t33 = np.swapaxes(t4, -1, -2)
     t34 = np.reshape((t32.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13658,7 +13630,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.transpose(2, 0, 1)
@@ -13670,7 +13642,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
+    t0[...] = np.reshape((np.reshape(t28, (d_K*d_V**2, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
     return out
 
 
@@ -13701,7 +13673,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13753,9 +13725,9 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t21 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t22 = (np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t23 = np.swapaxes(Y, -1, -2)
     t24 = t23.sum(-2, keepdims=True)
     t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
@@ -13763,17 +13735,17 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
     t29 = t12 @ X
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t31 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t32 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t33 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t31.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t34 = np.reshape((np.reshape(t33.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t35 = (np.reshape((np.reshape(t34.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t36 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t31 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t32 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t32.transpose(1, 0, 2)), (n_batch, L, d_V, L))
+    t35 = np.reshape((np.reshape(t34.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t36 = (np.reshape((np.reshape(t35.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -13821,7 +13793,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t32 = t11 @ X
     t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13871,11 +13843,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
-    t19 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t18 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t19 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -13905,7 +13877,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -13939,16 +13911,16 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t13, -1, -2)
     t18 = np.swapaxes(t4, -1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t20 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
-    t23 = (np.reshape((np.reshape(t22, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
-    t24 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t25 = ((np.reshape(t24, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t20 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t21 = ((np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t22 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
+    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     F = t14
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -13961,8 +13933,8 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t34 = (np.reshape((np.reshape(t33.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t34, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -13992,7 +13964,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t12, -1, -2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14057,7 +14029,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t13, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
@@ -14076,11 +14048,11 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = np.swapaxes(G, -1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t35 = (np.reshape((np.reshape(t34.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t35, optimize=[(0, 1)])
+    t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t34 = (np.reshape((np.reshape(t33.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t35 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -14110,7 +14082,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t12, -1, -2)
     t17 = X @ W_Q
     t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14175,11 +14147,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -14209,7 +14181,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14243,7 +14215,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14289,7 +14261,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14355,7 +14327,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -14423,7 +14395,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14496,7 +14468,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14545,7 +14517,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -14613,7 +14585,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
@@ -14682,7 +14654,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -14751,7 +14723,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))

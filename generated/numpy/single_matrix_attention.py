@@ -83,7 +83,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -93,21 +93,21 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t12 = ((t11.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t14 = H[0:d_V**2, d_V**2:2*d_V**2]
     t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
     t16 = A @ X
     M_1 = t16
     t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t15[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     t21 = np.swapaxes(M_1, -1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = np.reshape((t8 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t20[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t25[...] = 0
     t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
@@ -115,8 +115,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t28 = t21 @ M_1
     t29 = np.ones((d_V,), dtype=X.dtype)
     t30 = (2/(L*d_V*n_batch)) * t29
-    t31 = t28.sum((0,))
-    t27 += oe.contract('ab,c->acb', t31, t30, optimize=[(0, 1)])
+    t27 += (np.reshape((np.reshape(t30, (d_V, 1)) * np.reshape(t28.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -163,7 +162,7 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -217,17 +216,17 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = (2/(L*d_V*n_batch)) * X
-    t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t11 = (np.reshape((np.reshape(t10.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t12 = (X * t9).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t10 = (X * t9).transpose(2, 0, 1)
+    t11 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t12 = np.reshape((np.reshape(t11.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t10, (d_V, L*n_batch)) @ np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -243,7 +242,7 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -269,7 +268,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -279,7 +278,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t11 = ((t10.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -295,7 +294,7 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -326,7 +325,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -335,7 +334,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t9, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -351,7 +350,7 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -385,8 +384,7 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).transpose(1, 0)
     return out
 
 
@@ -425,14 +423,14 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t7.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12 = np.reshape((t7 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -452,7 +450,7 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -486,8 +484,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -537,32 +534,32 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t2
     t18 = M_3.transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t20 = H[0:d_V**2, d_V**2:2*d_V**2]
     t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * X
-    t24 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = M_2.transpose(3, 2, 0, 1)
-    t21[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t24 = M_2.transpose(3, 2, 0, 1)
+    t25 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
     t28 = np.swapaxes(G, -1, -2)
     t29 = (1/n_batch) * t28
     t30 = M_2.transpose(2, 3, 0, 1)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t27[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t32[...] = 0
     return H
@@ -632,7 +629,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -642,7 +639,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t20 = (n_batch**(-2)) * (t19 * t16.transpose(0, 2, 3, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t15
     t24 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -684,14 +681,14 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t18 = (X * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -719,7 +716,7 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -753,14 +750,14 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = M_3.transpose(2, 3, 0, 1)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -788,7 +785,7 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -814,7 +811,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -826,9 +823,9 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * X
-    t12 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t13 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    t12 = M_2.transpose(3, 2, 0, 1)
+    t13 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -844,7 +841,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -904,14 +901,14 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.swapaxes(G, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (1/n_batch) * t9
     t13 = M_2.transpose(2, 3, 0, 1)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -935,7 +932,7 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.swapaxes(G, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -981,7 +978,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1003,41 +1000,41 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t20 = t19 - (A * t19).sum(-1, keepdims=True)
     t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t2
     t24 = M_3.transpose(2, 3, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t26 = np.reshape(t12, t12.shape[:2] + (-1,))
-    t27 = np.reshape(t24, t24.shape[:2] + (-1,))
-    t28 = np.concatenate([t26, t27], axis=-1)
-    t29 = np.reshape(t13, t13.shape[:2] + (-1,))
-    t30 = np.reshape(t25, t25.shape[:2] + (-1,))
-    t31 = np.concatenate([t29, t30], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
+    t26 = np.reshape(t12, (d_V**2, L*n_batch))
+    t27 = np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t28 = np.reshape(t24, (d_V**2, L*n_batch))
+    t29 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t30 = np.concatenate([t26, t28], axis=-1)
+    t31 = np.concatenate([t27, t29], axis=-2)
+    t1[...] = (np.reshape((t30 @ t31), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t32 = H[0:d_V**2, d_V**2:2*d_V**2]
     t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
     t34 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t35 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t36 = (1/n_batch) * X
-    t37 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t38 = M_2.transpose(3, 2, 0, 1)
-    t33[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t37 = M_2.transpose(3, 2, 0, 1)
+    t38 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33[...] = (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t33 += (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
     t41 = np.swapaxes(M_1, -1, -2)
     t42 = (2/(L*d_V*n_batch)) * t41
-    t43 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t43 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t44 = np.reshape((t8 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t45 = np.swapaxes(G, -1, -2)
     t46 = (1/n_batch) * t45
     t47 = M_2.transpose(2, 3, 0, 1)
     t48 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t40[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t40[...] = (np.reshape((np.reshape(t43, (d_V**2, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t40 += (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t49[...] = 0
     t50 = np.reshape(t49, (d_V, d_V, d_V, d_V), copy=False)
@@ -1045,8 +1042,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t52 = t41 @ M_1
     t53 = np.ones((d_V,), dtype=X.dtype)
     t54 = (2/(L*d_V*n_batch)) * t53
-    t55 = t52.sum((0,))
-    t51 += oe.contract('ab,c->acb', t55, t54, optimize=[(0, 1)])
+    t51 += (np.reshape((np.reshape(t54, (d_V, 1)) * np.reshape(t52.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -1110,7 +1106,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1134,7 +1130,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1205,16 +1201,16 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = (2/(L*d_V*n_batch)) * X
-    t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t11 = (np.reshape((np.reshape(t10.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t12 = (X * t9).transpose(2, 0, 1)
+    t10 = (X * t9).transpose(2, 0, 1)
+    t11 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t12 = np.reshape((np.reshape(t11.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
@@ -1227,15 +1223,15 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t24 = (X * t22.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t10, (d_V, L*n_batch)) @ np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V)))
+    t0 += (np.reshape(t24, (d_V, L*n_batch)) @ np.reshape(t23.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -1251,7 +1247,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1272,7 +1268,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t17 = t16 - (A * t16).sum(-1, keepdims=True)
     t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1294,7 +1290,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1316,20 +1312,20 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = M_3.transpose(2, 3, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = np.reshape(t11, t11.shape[:2] + (-1,))
-    t26 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t27 = np.concatenate([t25, t26], axis=-1)
-    t28 = np.reshape(t12, t12.shape[:2] + (-1,))
-    t29 = np.reshape(t24, t24.shape[:2] + (-1,))
-    t30 = np.concatenate([t28, t29], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
+    t25 = np.reshape(t11, (d_V**2, L*n_batch))
+    t26 = np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t27 = np.reshape(t23, (d_V**2, L*n_batch))
+    t28 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t29 = np.concatenate([t25, t27], axis=-1)
+    t30 = np.concatenate([t26, t28], axis=-2)
+    t0[...] = (np.reshape((t29 @ t30), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -1345,7 +1341,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1369,7 +1365,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1399,7 +1395,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1414,10 +1410,10 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/n_batch) * X
-    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t16 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t15 = M_2.transpose(3, 2, 0, 1)
+    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t9, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1433,7 +1429,7 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1484,8 +1480,7 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).transpose(1, 0)
     return out
 
 
@@ -1524,13 +1519,13 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t7.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12 = np.reshape((t7 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t13 = M_1 @ W_V
     F = t13
     t14 = F - Y
@@ -1540,8 +1535,8 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t17 = (1/n_batch) * t16
     t18 = M_2.transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -1561,7 +1556,7 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1613,8 +1608,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('ab,c->acb', t11, t10, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -1649,7 +1643,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1674,7 +1668,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = t9 * t25
     t27 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1706,7 +1700,7 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1760,7 +1754,7 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1839,7 +1833,7 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
     t12 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += (np.reshape((np.reshape(t12, (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
+    t2 += np.reshape((np.reshape(t11.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -1864,7 +1858,7 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
     t12 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += (np.reshape((np.reshape(t12, (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
+    t2 += np.reshape((np.reshape(t11.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 
@@ -1973,7 +1967,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1983,21 +1977,21 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t14 = ((t13.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t16 = H[0:d_V**2, d_V**2:2*d_V**2]
     t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
     t18 = A @ X
     M_1 = t18
     t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t17[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
     t23 = np.swapaxes(M_1, -1, -2)
     t24 = (2/(L*d_V*n_batch)) * t23
-    t25 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t22[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t27[...] = 0
     t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
@@ -2005,8 +1999,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t30 = t23 @ M_1
     t31 = np.ones((d_V,), dtype=X.dtype)
     t32 = (2/(L*d_V*n_batch)) * t31
-    t33 = t30.sum((0,))
-    t29 += oe.contract('ab,c->acb', t33, t32, optimize=[(0, 1)])
+    t29 += (np.reshape((np.reshape(t32, (d_V, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -2057,7 +2050,7 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2113,17 +2106,17 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_V*n_batch)) * X
-    t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t13 = (np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t14 = (X * t11).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t12 = (X * t11).transpose(2, 0, 1)
+    t13 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t14 = np.reshape((np.reshape(t13.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -2141,7 +2134,7 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2169,7 +2162,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2179,7 +2172,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t13 = ((t12.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -2197,7 +2190,7 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2230,7 +2223,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2239,7 +2232,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -2257,7 +2250,7 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2293,8 +2286,7 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9)
-    t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t11, t9)).transpose(1, 0)
     return out
 
 
@@ -2337,14 +2329,14 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = np.reshape((t9 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2366,7 +2358,7 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2402,8 +2394,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = t10.sum((0,))
-    t1 += oe.contract('ab,c->acb', t13, t12, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t12, (d_V, 1)) * np.reshape(t10.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -2457,32 +2448,32 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t2
     t20 = M_3.transpose(2, 3, 0, 1)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t22 = H[0:d_V**2, d_V**2:2*d_V**2]
     t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * X
-    t26 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = M_2.transpose(3, 2, 0, 1)
-    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t26 = M_2.transpose(3, 2, 0, 1)
+    t27 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
     t30 = np.swapaxes(G, -1, -2)
     t31 = (1/n_batch) * t30
     t32 = M_2.transpose(2, 3, 0, 1)
     t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t29[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t34[...] = 0
     return H
@@ -2556,7 +2547,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2566,7 +2557,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t22 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum()
     t23 = np.sqrt(np.maximum(t22, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t24 * t17
     t26 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -2610,14 +2601,14 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t20 = (X * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -2647,7 +2638,7 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2683,14 +2674,14 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = M_3.transpose(2, 3, 0, 1)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -2720,7 +2711,7 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2748,7 +2739,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2760,9 +2751,9 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = (1/n_batch) * X
-    t14 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t15 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t14 = M_2.transpose(3, 2, 0, 1)
+    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2780,7 +2771,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2842,14 +2833,14 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t14 = (1/n_batch) * t11
     t15 = M_2.transpose(2, 3, 0, 1)
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -2875,7 +2866,7 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2923,7 +2914,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2945,41 +2936,41 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * t2
     t26 = M_3.transpose(2, 3, 0, 1)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t28 = np.reshape(t14, t14.shape[:2] + (-1,))
-    t29 = np.reshape(t26, t26.shape[:2] + (-1,))
-    t30 = np.concatenate([t28, t29], axis=-1)
-    t31 = np.reshape(t15, t15.shape[:2] + (-1,))
-    t32 = np.reshape(t27, t27.shape[:2] + (-1,))
-    t33 = np.concatenate([t31, t32], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
+    t28 = np.reshape(t14, (d_V**2, L*n_batch))
+    t29 = np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t30 = np.reshape(t26, (d_V**2, L*n_batch))
+    t31 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t32 = np.concatenate([t28, t30], axis=-1)
+    t33 = np.concatenate([t29, t31], axis=-2)
+    t1[...] = (np.reshape((t32 @ t33), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t34 = H[0:d_V**2, d_V**2:2*d_V**2]
     t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
     t36 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
     t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t38 = (1/n_batch) * X
-    t39 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t40 = M_2.transpose(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t39 = M_2.transpose(3, 2, 0, 1)
+    t40 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t35 += (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t42 = np.reshape(t41, (d_V, d_V, d_V, d_V), copy=False)
     t43 = np.swapaxes(M_1, -1, -2)
     t44 = (2/(L*d_V*n_batch)) * t43
-    t45 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t45 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t47 = np.swapaxes(G, -1, -2)
     t48 = (1/n_batch) * t47
     t49 = M_2.transpose(2, 3, 0, 1)
     t50 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t42[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t42 += (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t51[...] = 0
     t52 = np.reshape(t51, (d_V, d_V, d_V, d_V), copy=False)
@@ -2987,8 +2978,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t54 = t43 @ M_1
     t55 = np.ones((d_V,), dtype=X.dtype)
     t56 = (2/(L*d_V*n_batch)) * t55
-    t57 = t54.sum((0,))
-    t53 += oe.contract('ab,c->acb', t57, t56, optimize=[(0, 1)])
+    t53 += (np.reshape((np.reshape(t56, (d_V, 1)) * np.reshape(t54.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return H
 
 
@@ -3056,7 +3046,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3080,7 +3070,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3153,16 +3143,16 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_V*n_batch)) * X
-    t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t13 = (np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (n_batch, L, d_V, 1, d_V)) @ np.reshape(M_2.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t14 = (X * t11).transpose(2, 0, 1)
+    t12 = (X * t11).transpose(2, 0, 1)
+    t13 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t14 = np.reshape((np.reshape(t13.transpose(3, 1, 2, 0), (d_V, n_batch, L, 1, d_V)) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -3175,15 +3165,15 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t26 = (X * t24.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V)))
+    t0 += (np.reshape(t26, (d_V, L*n_batch)) @ np.reshape(t25.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -3201,7 +3191,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3222,7 +3212,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3246,7 +3236,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3268,20 +3258,20 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = M_3.transpose(2, 3, 0, 1)
     t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = np.reshape(t13, t13.shape[:2] + (-1,))
-    t28 = np.reshape(t25, t25.shape[:2] + (-1,))
-    t29 = np.concatenate([t27, t28], axis=-1)
-    t30 = np.reshape(t14, t14.shape[:2] + (-1,))
-    t31 = np.reshape(t26, t26.shape[:2] + (-1,))
-    t32 = np.concatenate([t30, t31], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t29, t32, optimize=[(0, 1)])
+    t27 = np.reshape(t13, (d_V**2, L*n_batch))
+    t28 = np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t29 = np.reshape(t25, (d_V**2, L*n_batch))
+    t30 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t31 = np.concatenate([t27, t29], axis=-1)
+    t32 = np.concatenate([t28, t30], axis=-2)
+    t0[...] = (np.reshape((t31 @ t32), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -3299,7 +3289,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3323,7 +3313,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3355,7 +3345,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3370,10 +3360,10 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t15 = (2/(L*d_V)) * t14
     G = t15
     t16 = (1/n_batch) * X
-    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t18 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = M_2.transpose(3, 2, 0, 1)
+    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3391,7 +3381,7 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3444,8 +3434,7 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9)
-    t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t11, t9)).transpose(1, 0)
     return out
 
 
@@ -3488,13 +3477,13 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = (np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = np.reshape((t9 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t15 = M_1 @ W_V
     F = t15
     t16 = F - Y
@@ -3504,8 +3493,8 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t19 = (1/n_batch) * t18
     t20 = M_2.transpose(2, 3, 0, 1)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -3527,7 +3516,7 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3581,8 +3570,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = t10.sum((0,))
-    t1 += oe.contract('ab,c->acb', t13, t12, optimize=[(0, 1)])
+    t1 += (np.reshape((np.reshape(t12, (d_V, 1)) * np.reshape(t10.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -3621,7 +3609,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3646,7 +3634,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t11 * t27
     t29 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3680,7 +3668,7 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3736,7 +3724,7 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3819,7 +3807,7 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
     t14 = (np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += (np.reshape((np.reshape(t14, (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
+    t2 += np.reshape((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -3846,7 +3834,7 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
     t14 = (np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += (np.reshape((np.reshape(t14, (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 4, 3, 2)
+    t2 += np.reshape((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 
@@ -3959,7 +3947,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3972,7 +3960,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -3981,24 +3969,24 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).transpose(3, 2, 0, 1)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t24 = H[0:d_V**2, d_V**2:2*d_V**2]
     t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     t26 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t27 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t25[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
     t30 = np.swapaxes(M_1, -1, -2)
     t31 = (1/(L*n_batch)) * t30
-    t32 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t29[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
     t36 = (np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t35[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -4054,7 +4042,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4064,7 +4052,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -4121,7 +4109,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4134,16 +4122,16 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
-    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
-    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t22 = (X * t16).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t17 = (X * t16).transpose(2, 0, 1)
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t19 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
+    t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t20.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -4159,7 +4147,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4172,7 +4160,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -4197,7 +4185,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4210,7 +4198,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -4219,7 +4207,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).transpose(3, 2, 0, 1)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -4235,7 +4223,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4245,7 +4233,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -4281,7 +4269,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4294,13 +4282,13 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = ((t17.transpose(0, 1, 3, 2) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -4316,7 +4304,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4326,7 +4314,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -4363,11 +4351,11 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
-    t15 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t14 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t15 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t14, (d_V, L*n_batch)) @ np.reshape(t15.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -4391,7 +4379,7 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -4419,20 +4407,20 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA15.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(L*n_batch)) * t6
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t20 = ((t19 @ t18.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t21 = ((t20 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4456,11 +4444,11 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
@@ -4497,11 +4485,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -4525,7 +4513,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4568,32 +4556,32 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t2
     t23 = M_3.transpose(2, 3, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t25 = H[0:d_V**2, d_V**2:2*d_V**2]
     t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/n_batch) * X
-    t29 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t30 = M_2.transpose(3, 2, 0, 1)
-    t26[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t29 = M_2.transpose(3, 2, 0, 1)
+    t30 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
     t33 = np.swapaxes(G, -1, -2)
     t34 = (1/n_batch) * t33
     t35 = M_2.transpose(2, 3, 0, 1)
     t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t32[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37[...] = 0
     return H
@@ -4673,7 +4661,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4683,7 +4671,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t25 = (n_batch**(-2)) * (t24 * t21.transpose(0, 2, 3, 1)).sum()
     t26 = np.sqrt(np.maximum(t25, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t27 * t20
     t29 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -4730,14 +4718,14 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t23 = (X * t21.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t23, (d_V, L*n_batch)) @ np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -4770,7 +4758,7 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4809,14 +4797,14 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = M_3.transpose(2, 3, 0, 1)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -4849,7 +4837,7 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4875,7 +4863,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4892,9 +4880,9 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/n_batch) * X
-    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t18 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = M_2.transpose(3, 2, 0, 1)
+    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -4910,7 +4898,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4980,14 +4968,14 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -5016,7 +5004,7 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5062,7 +5050,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5075,7 +5063,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -5096,29 +5084,29 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t34 = (1/n_batch) * t2
     t35 = M_3.transpose(2, 3, 0, 1)
     t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37 = np.reshape(t22, t22.shape[:2] + (-1,))
-    t38 = np.reshape(t35, t35.shape[:2] + (-1,))
-    t39 = np.concatenate([t37, t38], axis=-1)
-    t40 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t41 = np.reshape(t36, t36.shape[:2] + (-1,))
-    t42 = np.concatenate([t40, t41], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t39, t42, optimize=[(0, 1)])
+    t37 = np.reshape(t22, (d_V**2, L*n_batch))
+    t38 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t39 = np.reshape(t35, (d_V**2, L*n_batch))
+    t40 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t41 = np.concatenate([t37, t39], axis=-1)
+    t42 = np.concatenate([t38, t40], axis=-2)
+    t1[...] = (np.reshape((t41 @ t42), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t43 = H[0:d_V**2, d_V**2:2*d_V**2]
     t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
     t45 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t46 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t47 = (1/n_batch) * X
-    t48 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t47, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t49 = M_2.transpose(3, 2, 0, 1)
-    t44[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t44 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t48 = M_2.transpose(3, 2, 0, 1)
+    t49 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t47, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t44[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t44 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
     t52 = np.swapaxes(G, -1, -2)
@@ -5127,15 +5115,15 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t55 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t56 = np.swapaxes(M_1, -1, -2)
     t57 = (1/(L*n_batch)) * t56
-    t58 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t59 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t51[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
-    t51 += oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t58 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t59 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t51[...] = (np.reshape((np.reshape(t54, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t51 += (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t61 = np.reshape(t60, (d_V, d_V, d_V, d_V), copy=False)
     t62 = (np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t61[...] = (np.reshape((np.reshape(t62, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -5209,7 +5197,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5219,7 +5207,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -5248,7 +5236,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5319,7 +5307,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5332,15 +5320,15 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
-    t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
-    t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t22 = (X * t16).transpose(2, 0, 1)
+    t17 = (X * t16).transpose(2, 0, 1)
+    t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t19 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
+    t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t20.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
     F = t10
     t23 = np.exp(F - F.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -5353,15 +5341,15 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t35 = (X * t33.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_V)))
+    t0 += (np.reshape(t35, (d_V, L*n_batch)) @ np.reshape(t34.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -5377,7 +5365,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5390,7 +5378,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -5410,7 +5398,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t28 = t27 - (A * t27).sum(-1, keepdims=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5432,7 +5420,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5445,7 +5433,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -5466,20 +5454,20 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = M_3.transpose(2, 3, 0, 1)
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t36 = np.reshape(t21, t21.shape[:2] + (-1,))
-    t37 = np.reshape(t34, t34.shape[:2] + (-1,))
-    t38 = np.concatenate([t36, t37], axis=-1)
-    t39 = np.reshape(t22, t22.shape[:2] + (-1,))
-    t40 = np.reshape(t35, t35.shape[:2] + (-1,))
-    t41 = np.concatenate([t39, t40], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
+    t36 = np.reshape(t21, (d_V**2, L*n_batch))
+    t37 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t38 = np.reshape(t34, (d_V**2, L*n_batch))
+    t39 = np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t40 = np.concatenate([t36, t38], axis=-1)
+    t41 = np.concatenate([t37, t39], axis=-2)
+    t0[...] = (np.reshape((t40 @ t41), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -5495,7 +5483,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5505,7 +5493,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -5534,7 +5522,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5564,7 +5552,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5577,7 +5565,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -5591,10 +5579,10 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t24 = (1/L) * t23
     G = t24
     t25 = (1/n_batch) * X
-    t26 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t26 = M_2.transpose(3, 2, 0, 1)
+    t27 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5610,7 +5598,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5620,7 +5608,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -5677,11 +5665,11 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
-    t15 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t14 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t15 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t14, (d_V, L*n_batch)) @ np.reshape(t15.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -5705,7 +5693,7 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -5738,7 +5726,7 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5750,15 +5738,15 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA24 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(W_V, -1, -2)
     t26 = (1/(L*n_batch)) * t20
-    t27 = np.reshape((np.reshape(dA24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t28 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t29 = ((t28 @ t27.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28 = np.reshape((np.reshape(dA24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t30 = ((t29 @ t28.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5787,7 +5775,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5800,7 +5788,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdims=True)
     t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
     t27 = np.swapaxes(W_V, -1, -2)
     t28 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t29 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5842,11 +5830,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -5870,7 +5858,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5893,7 +5881,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5903,7 +5891,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -5933,7 +5921,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = t16 * t39
     t41 = np.reshape((np.reshape(t39.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5965,7 +5953,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5975,7 +5963,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -6035,11 +6023,11 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
@@ -6100,7 +6088,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6188,7 +6176,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6201,7 +6189,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -6210,24 +6198,24 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).transpose(3, 2, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t26 = H[0:d_V**2, d_V**2:2*d_V**2]
     t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
     t28 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t29 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t27[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
     t32 = np.swapaxes(M_1, -1, -2)
     t33 = (1/(L*n_batch)) * t32
-    t34 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t31[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t34 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t31[...] = (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
     t38 = (np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t39 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37[...] = oe.contract('abcd,efcd->eafb', t38, t39, optimize=[(0, 1)])
+    t37[...] = (np.reshape((np.reshape(t38, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -6287,7 +6275,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6297,7 +6285,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -6356,7 +6344,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6369,16 +6357,16 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
-    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
-    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t23 = (np.reshape((np.reshape(t22, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t24 = (X * t18).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t19 = (X * t18).transpose(2, 0, 1)
+    t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
+    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t22.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
+    t0[...] = (np.reshape(t19, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -6396,7 +6384,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6409,7 +6397,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -6436,7 +6424,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6449,7 +6437,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -6458,7 +6446,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).transpose(3, 2, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -6476,7 +6464,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6486,7 +6474,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -6524,7 +6512,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6537,13 +6525,13 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -6561,7 +6549,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6571,7 +6559,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -6610,11 +6598,11 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
-    t17 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -6640,7 +6628,7 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -6670,20 +6658,20 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA17.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(L*n_batch)) * t8
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t22 = ((t21 @ t20.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6709,11 +6697,11 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
@@ -6752,11 +6740,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -6782,7 +6770,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6827,32 +6815,32 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t2
     t25 = M_3.transpose(2, 3, 0, 1)
     t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t1[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t27 = H[0:d_V**2, d_V**2:2*d_V**2]
     t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/n_batch) * X
-    t31 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t30, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t32 = M_2.transpose(3, 2, 0, 1)
-    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t31 = M_2.transpose(3, 2, 0, 1)
+    t32 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t30, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28[...] = (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t33 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t34 = np.reshape(t33, (d_V, d_V, d_V, d_V), copy=False)
     t35 = np.swapaxes(G, -1, -2)
     t36 = (1/n_batch) * t35
     t37 = M_2.transpose(2, 3, 0, 1)
     t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t34[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t39[...] = 0
     return H
@@ -6936,7 +6924,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -6946,7 +6934,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
     t28 = np.sqrt(np.maximum(t27, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = t29 * t22
     t31 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -6995,14 +6983,14 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t25 = (X * t23.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t25, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -7037,7 +7025,7 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7078,14 +7066,14 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = M_3.transpose(2, 3, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -7120,7 +7108,7 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -7148,7 +7136,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7165,9 +7153,9 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t17 = (1/L) * t16
     G = t17
     t18 = (1/n_batch) * X
-    t19 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t20 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = M_2.transpose(3, 2, 0, 1)
+    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7185,7 +7173,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7257,14 +7245,14 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.transpose(2, 3, 0, 1)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
     return out
 
 
@@ -7295,7 +7283,7 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7343,7 +7331,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7356,7 +7344,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -7377,29 +7365,29 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t36 = (1/n_batch) * t2
     t37 = M_3.transpose(2, 3, 0, 1)
     t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t39 = np.reshape(t24, t24.shape[:2] + (-1,))
-    t40 = np.reshape(t37, t37.shape[:2] + (-1,))
-    t41 = np.concatenate([t39, t40], axis=-1)
-    t42 = np.reshape(t25, t25.shape[:2] + (-1,))
-    t43 = np.reshape(t38, t38.shape[:2] + (-1,))
-    t44 = np.concatenate([t42, t43], axis=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t41, t44, optimize=[(0, 1)])
+    t39 = np.reshape(t24, (d_V**2, L*n_batch))
+    t40 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t41 = np.reshape(t37, (d_V**2, L*n_batch))
+    t42 = np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t43 = np.concatenate([t39, t41], axis=-1)
+    t44 = np.concatenate([t40, t42], axis=-2)
+    t1[...] = (np.reshape((t43 @ t44), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     t45 = H[0:d_V**2, d_V**2:2*d_V**2]
     t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
     t47 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t48 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t49 = (1/n_batch) * X
-    t50 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t51 = M_2.transpose(3, 2, 0, 1)
-    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t46 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t50 = M_2.transpose(3, 2, 0, 1)
+    t51 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t46 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_V), copy=False)
     t54 = np.swapaxes(G, -1, -2)
@@ -7408,15 +7396,15 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t57 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t58 = np.swapaxes(M_1, -1, -2)
     t59 = (1/(L*n_batch)) * t58
-    t60 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
-    t53 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t61 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t53[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t53 += (np.reshape((np.reshape(t60, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
     t64 = (np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t65 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return H
 
 
@@ -7494,7 +7482,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7504,7 +7492,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -7533,7 +7521,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -7606,7 +7594,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7619,15 +7607,15 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
-    t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
-    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t23 = (np.reshape((np.reshape(t22, (n_batch, L, d_V, 1, d_V)) @ np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))).transpose(2, 0, 1)
-    t24 = (X * t18).transpose(2, 0, 1)
+    t19 = (X * t18).transpose(2, 0, 1)
+    t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
+    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t22.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
     F = t12
     t25 = np.exp(F - F.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
@@ -7640,15 +7628,15 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = (oe.contract('abcc->abc', M_3)).transpose(2, 0, 1)
     t37 = (X * t35.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
+    t0[...] = (np.reshape(t19, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_V)))
+    t0 += (np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t36.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -7666,7 +7654,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7679,7 +7667,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -7699,7 +7687,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7723,7 +7711,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7736,7 +7724,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -7757,20 +7745,20 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = M_3.transpose(2, 3, 0, 1)
     t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t38 = np.reshape(t23, t23.shape[:2] + (-1,))
-    t39 = np.reshape(t36, t36.shape[:2] + (-1,))
-    t40 = np.concatenate([t38, t39], axis=-1)
-    t41 = np.reshape(t24, t24.shape[:2] + (-1,))
-    t42 = np.reshape(t37, t37.shape[:2] + (-1,))
-    t43 = np.concatenate([t41, t42], axis=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t40, t43, optimize=[(0, 1)])
+    t38 = np.reshape(t23, (d_V**2, L*n_batch))
+    t39 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t40 = np.reshape(t36, (d_V**2, L*n_batch))
+    t41 = np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t42 = np.concatenate([t38, t40], axis=-1)
+    t43 = np.concatenate([t39, t41], axis=-2)
+    t0[...] = (np.reshape((t42 @ t43), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -7788,7 +7776,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7798,7 +7786,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -7827,7 +7815,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -7859,7 +7847,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7872,7 +7860,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -7886,10 +7874,10 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t26 = (1/L) * t25
     G = t26
     t27 = (1/n_batch) * X
-    t28 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t27, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29 = M_2.transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t28 = M_2.transpose(3, 2, 0, 1)
+    t29 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t27, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7907,7 +7895,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7917,7 +7905,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -7976,11 +7964,11 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
-    t17 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
+    t0[...] = (np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
 
@@ -8006,7 +7994,7 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -8041,7 +8029,7 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8053,15 +8041,15 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdims=True)
     t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
     t27 = np.swapaxes(W_V, -1, -2)
     t28 = (1/(L*n_batch)) * t22
-    t29 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t30 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t31 = ((t30 @ t29.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t31 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t32 = ((t31 @ t30.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8092,7 +8080,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8105,7 +8093,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
     t29 = np.swapaxes(W_V, -1, -2)
     t30 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t31 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8149,11 +8137,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
     t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -8179,7 +8167,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8204,7 +8192,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -8214,7 +8202,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -8244,7 +8232,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2) - ((np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t42 = t18 * t41
     t43 = np.reshape((np.reshape(t41.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -8278,7 +8266,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -8288,7 +8276,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -8350,11 +8338,11 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))).transpose(0, 1, 3, 2)
+    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
@@ -8417,7 +8405,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - ((np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))).transpose(0, 1, 3, 2)
+    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))

@@ -100,7 +100,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -112,13 +112,13 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t16 = (t15 @ t14)
     t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t1[...] = ((t17.reshape((d_K**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = ((t15 @ t14)).permute(3, 2, 0, 1)
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t21 = ((t15 @ t14)).permute(3, 2, 0, 1)
+    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t25 = t24.view((d_V, d_K, d_V, d_V))
     t26 = A @ X
@@ -127,7 +127,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t28 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
     t30 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t25[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = W_Q.transpose(-1, -2)
@@ -137,19 +137,19 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = ((t36.permute(1, 2, 0, 3) @ t35.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t38 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = ((t38.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t32[...] = oe.contract('abcd,efcd->aefb', t37, t39, optimize=[(0, 1)])
+    t32[...] = ((t37.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
-    t42 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t38.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t43 = ((t35.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t41[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t42 = ((t35.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t43 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t38.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t41[...] = ((t42.reshape((d_V**2, L*n_batch)) @ t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t45 = t44.view((d_V, d_K, d_V, d_V))
     t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
     t47 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t48 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = ((t48.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t45[...] = oe.contract('abcd,efcd->aefb', t47, t49, optimize=[(0, 1)])
+    t45[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t51 = t50.view((d_V, d_V, d_V, d_K))
     t52 = M_1.transpose(-1, -2)
@@ -157,12 +157,12 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t54 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t55 = ((t54.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t56 = ((X.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t51[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t51[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
-    t59 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t60 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t59 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t60 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t58[...] = ((t59.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t61[...] = 0
     t62 = t61.view((d_V, d_V, d_V, d_V))
@@ -170,8 +170,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t64 = t52 @ M_1
     t65 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t66 = (2/(L*d_V*n_batch)) * t65
-    t67 = t64.sum((0,))
-    t63 += oe.contract('a,bc->bca', t66, t67, optimize=[(0, 1)])
+    t63 += (t64.sum((0,)).reshape((d_V**2, 1)) * t66.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -237,7 +236,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -333,19 +332,19 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t15 = (t14 @ t13)
-    t16 = (t15.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t17 = (X * X).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t13 = (X * X).permute(2, 0, 1)
+    t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t16 = (t15 @ t14)
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t13.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -365,7 +364,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -397,7 +396,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -409,7 +408,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = (t14 @ t13)
     t16 = ((t15.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_K**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -429,7 +428,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -468,19 +467,19 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t14 = ((t13.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t17 = ((t16 @ t15)).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t17, optimize=[(0, 1)])
+    t13 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t15 = ((t14 @ t13)).permute(3, 2, 0, 1)
+    t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t17 = ((t16.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -500,7 +499,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -539,7 +538,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -549,7 +548,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t13 = ((t12.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
     t14 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -569,7 +568,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -606,19 +605,19 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = t15 * t14.permute(2, 0, 1)
-    t17 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = ((t17.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t18, optimize=[(0, 1)])
+    t14 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t15 = (t14.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = t17 * t16.permute(2, 0, 1)
+    t0[...] = (t15.reshape((d_V, L*n_batch)) @ t18.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -639,7 +638,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -672,7 +671,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -684,7 +683,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = ((t15.permute(1, 2, 0, 3) @ t14.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t17 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = ((t17.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t18, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -705,7 +704,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -745,19 +744,19 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t14.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t17 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = ((t17.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t14 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t15 = ((t14.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -778,7 +777,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -818,7 +817,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -828,7 +827,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t14 = (X.reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_K))
     t15 = ((t14.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t15, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -849,7 +848,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -889,8 +888,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).permute(1, 0)
     return out
 
 
@@ -937,7 +935,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -945,7 +943,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -969,7 +967,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1007,15 +1005,15 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t15 = ((t14.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t16 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t14 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1039,7 +1037,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1079,8 +1077,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
+    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -1138,7 +1135,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1146,69 +1143,67 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t22 = ((t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t1[...] = ((t22.reshape((d_K**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t28 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t26 = (t20 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t29 = t25.diagonal(0, 1, 3)
     t30 = t17 @ X
     t31 = t3 @ t30
     t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = t31.sum((0,))
-    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t25[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t29 += (t31.sum((0,)).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
-    t37 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    t36 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = (t37 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t39 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t40 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t36[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = W_Q.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t45 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t46 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t44.permute(1, 0)).reshape((n_batch, L, d_K))
-    t47 = ((t46.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t48 = t42.diagonal(0, 1, 3)
-    t49 = t31.transpose(-1, -2)
-    t50 = t49.sum((0,))
-    t42[...] = oe.contract('abcd,efcd->aefb', t45, t47, optimize=[(0, 1)])
-    t48 += oe.contract('a,bc->bca', t33, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t46.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t54 = M_3.permute(2, 3, 0, 1)
-    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = t55.view((d_V, d_K, d_V, d_V))
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t58 = (X.reshape((L*n_batch, d_V)) @ t57.permute(1, 0)).reshape((n_batch, L, d_K))
-    t59 = ((t58.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t60 = M_2.permute(3, 2, 0, 1)
-    t56[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t62 = t61.view((d_V, d_V, d_V, d_K))
-    t63 = G.transpose(-1, -2)
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t66 = ((X.reshape((n_batch, L, d_V, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t62[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = t67.view((d_V, d_V, d_V, d_K))
-    t69 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t70 = M_2.permute(2, 3, 0, 1)
-    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
+    t35[...] = ((t38.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = W_Q.transpose(-1, -2)
+    t43 = (1/(d_K*n_batch)) * t42
+    t44 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t45 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_K))
+    t46 = ((t45.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t47 = t41.diagonal(0, 1, 3)
+    t48 = t31.transpose(-1, -2)
+    t41[...] = ((t44.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t47 += (t48.sum((0,)).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_K, d_V, d_K))
+    t51 = M_3.permute(2, 3, 0, 1)
+    t52 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t45.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t50[...] = ((t51.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = t53.view((d_V, d_K, d_V, d_V))
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t56 = M_2.permute(3, 2, 0, 1)
+    t57 = (X.reshape((L*n_batch, d_V)) @ t55.permute(1, 0)).reshape((n_batch, L, d_K))
+    t58 = ((t57.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t54[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t60 = t59.view((d_V, d_V, d_V, d_K))
+    t61 = G.transpose(-1, -2)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    t63 = ((X.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t64 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t60[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t67 = M_2.permute(2, 3, 0, 1)
+    t68 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t66[...] = ((t67.reshape((d_V**2, L*n_batch)) @ t68.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t69[...] = 0
     return H
 
 
@@ -1301,7 +1296,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1329,7 +1324,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t41 = (n_batch**(-2)) * (t30.sum((0,)) * t30.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t35 * t33).sum() + (1/(d_K**2*n_batch**2)) * (t40 * t37.permute(0, 2, 3, 1)).sum()
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t43 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t44 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t45 = t44 * t20
@@ -1408,15 +1403,15 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
-    t20 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t19.reshape((d_K, 1, d_V)))
-    t21 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t20.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t22 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t20 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t21 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t19.reshape((d_K, 1, d_V)))
+    t22 = (t21.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t20.reshape((d_V, L*n_batch)) @ t22.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -1448,7 +1443,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1488,7 +1483,7 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1496,7 +1491,7 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t21 = ((t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t0[...] = ((t21.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -1528,7 +1523,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1574,22 +1569,21 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
-    t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t21 = ((t20.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t20 = (t19 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t23 = t0.diagonal(0, 1, 3)
     t24 = t16 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = t25.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t23 += (t25.sum((0,)).reshape((d_V**2, 1)) * t27.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -1623,7 +1617,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t20 = (t19 @ X.permute(0, 2, 1))
     t21 = (t20.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -1661,7 +1655,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1673,9 +1667,9 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t16 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t15 = (t14 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t16 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1695,7 +1689,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -1748,16 +1742,16 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = t22 * t21.permute(2, 0, 1)
-    t24 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t21 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t24 = t23 * t22.permute(2, 0, 1)
+    t0[...] = (t21.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -1790,7 +1784,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1831,7 +1825,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1845,9 +1839,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = t27.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t23, optimize=[(0, 1)])
-    t24 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t24 += (t27.sum((0,)).reshape((d_V**2, 1)) * t29.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -1883,7 +1876,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_Q.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -1934,16 +1927,16 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t21.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t24 = M_3.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t21 = M_3.permute(2, 3, 0, 1)
+    t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1976,7 +1969,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2011,7 +2004,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2023,10 +2016,10 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = ((t16.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t18 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t16 = M_2.permute(3, 2, 0, 1)
+    t17 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
+    t18 = ((t17.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2047,7 +2040,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -2115,14 +2108,14 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t16 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2150,7 +2143,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2191,15 +2184,15 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t17 = ((t16.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t18 = M_2.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t16 = M_2.permute(2, 3, 0, 1)
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2227,7 +2220,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2281,7 +2274,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2305,7 +2298,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2313,124 +2306,121 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t29 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t30 = ((t29.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t32 = t17.reshape(*t17.shape[:2], -1)
-    t33 = t30.reshape(*t30.shape[:2], -1)
-    t34 = torch.cat([t32, t33], dim=-1)
-    t35 = t18.reshape(*t18.shape[:2], -1)
-    t36 = t31.reshape(*t31.shape[:2], -1)
-    t37 = torch.cat([t35, t36], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    t32 = t17.reshape((d_K**2, L*n_batch))
+    t33 = t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t34 = t30.reshape((d_K**2, L*n_batch))
+    t35 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t36 = torch.cat([t32, t34], dim=-1)
+    t37 = torch.cat([t33, t35], dim=-2)
+    t1[...] = ((t36 @ t37).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = t38.view((d_V, d_K, d_V, d_K))
-    t40 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t41 = ((t40.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t42 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t43 = ((t40.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t44 = ((t15 @ t14)).permute(3, 2, 0, 1)
+    t40 = (t28 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t41 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t42 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t43 = ((t15 @ t14)).permute(3, 2, 0, 1)
+    t44 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t45 = t39.diagonal(0, 1, 3)
     t46 = t26 @ X
     t47 = t3 @ t46
     t48 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t50 = t47.sum((0,))
-    t51 = t41.reshape(*t41.shape[:2], -1)
-    t52 = t43.reshape(*t43.shape[:2], -1)
-    t53 = torch.cat([t51, t52], dim=-1)
-    t54 = t42.reshape(*t42.shape[:2], -1)
-    t55 = t44.reshape(*t44.shape[:2], -1)
-    t56 = torch.cat([t54, t55], dim=-1)
-    t39[...] = oe.contract('abg,efg->aefb', t53, t56, optimize=[(0, 1)])
-    t45 += oe.contract('a,bc->bca', t49, t50, optimize=[(0, 1)])
-    t57 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = t57.view((d_V, d_K, d_V, d_V))
-    t59 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t60 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t59.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t61 = ((t60.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
-    t62 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t63 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t50 = t40.reshape((d_K*d_V, L*n_batch))
+    t51 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t52 = t43.reshape((d_K*d_V, L*n_batch))
+    t53 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t54 = torch.cat([t50, t52], dim=-1)
+    t55 = torch.cat([t51, t53], dim=-2)
+    t39[...] = ((t54 @ t55).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t45 += (t47.sum((0,)).reshape((d_V**2, 1)) * t49.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_K, d_V, d_V))
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t59 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t60 = ((t59.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t61 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t63 = (t62 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t64 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t65 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t63.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t58 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
-    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t67 = t66.view((d_V, d_K, d_V, d_K))
-    t68 = W_Q.transpose(-1, -2)
-    t69 = (1/(d_K*n_batch)) * t68
-    t70 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t71 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t69.permute(1, 0)).reshape((n_batch, L, d_K))
-    t72 = ((t71.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t73 = (2/(L*d_K*d_V*n_batch)) * t68
-    t74 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t75 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t76 = ((t75.permute(1, 2, 0, 3) @ t74.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t77 = (X.reshape((L*n_batch, d_V)) @ t73.permute(1, 0)).reshape((n_batch, L, d_K))
-    t78 = ((t77.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t79 = t67.diagonal(0, 1, 3)
-    t80 = t47.transpose(-1, -2)
-    t81 = t80.sum((0,))
-    t82 = t70.reshape(*t70.shape[:2], -1)
-    t83 = t76.reshape(*t76.shape[:2], -1)
-    t84 = torch.cat([t82, t83], dim=-1)
-    t85 = t72.reshape(*t72.shape[:2], -1)
-    t86 = t78.reshape(*t78.shape[:2], -1)
-    t87 = torch.cat([t85, t86], dim=-1)
-    t67[...] = oe.contract('abg,efg->aefb', t84, t87, optimize=[(0, 1)])
-    t79 += oe.contract('a,bc->bca', t49, t81, optimize=[(0, 1)])
-    t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t89 = t88.view((d_V, d_K, d_V, d_K))
-    t90 = ((t40.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t77.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t91 = ((t74.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t92 = ((t40.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t71.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t93 = M_3.permute(2, 3, 0, 1)
-    t94 = t90.reshape(*t90.shape[:2], -1)
-    t95 = t92.reshape(*t92.shape[:2], -1)
-    t96 = torch.cat([t94, t95], dim=-1)
-    t97 = t91.reshape(*t91.shape[:2], -1)
-    t98 = t93.reshape(*t93.shape[:2], -1)
-    t99 = torch.cat([t97, t98], dim=-1)
-    t89[...] = oe.contract('abg,efg->eafb', t96, t99, optimize=[(0, 1)])
-    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t101 = t100.view((d_V, d_K, d_V, d_V))
-    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
-    t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
-    t105 = ((t104.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t106 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t107 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
-    t108 = ((t107.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t109 = M_2.permute(3, 2, 0, 1)
-    t101[...] = oe.contract('abcd,efcd->aefb', t103, t105, optimize=[(0, 1)])
-    t101 += oe.contract('abcd,efcd->eafb', t108, t109, optimize=[(0, 1)])
-    t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t111 = t110.view((d_V, d_V, d_V, d_K))
-    t112 = M_1.transpose(-1, -2)
-    t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
-    t114 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t115 = ((t114.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t116 = ((X.reshape((n_batch, L, d_V, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t117 = G.transpose(-1, -2)
-    t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
-    t119 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t120 = ((X.reshape((n_batch, L, d_V, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t111[...] = oe.contract('abcd,efcd->eafb', t115, t116, optimize=[(0, 1)])
-    t111 += oe.contract('abcd,efcd->aefb', t119, t120, optimize=[(0, 1)])
-    t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t122 = t121.view((d_V, d_V, d_V, d_K))
-    t123 = ((t40.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t124 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t125 = ((t40.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t126 = M_2.permute(2, 3, 0, 1)
-    t122[...] = oe.contract('abcd,efcd->aefb', t123, t124, optimize=[(0, 1)])
-    t122 += oe.contract('abcd,efcd->eafb', t125, t126, optimize=[(0, 1)])
-    t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t127[...] = 0
-    t128 = t127.view((d_V, d_V, d_V, d_V))
-    t129 = t128.diagonal(0, 1, 3)
-    t130 = t112 @ M_1
-    t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t132 = (2/(L*d_V*n_batch)) * t131
-    t133 = t130.sum((0,))
-    t129 += oe.contract('a,bc->bca', t132, t133, optimize=[(0, 1)])
+    t57[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t57 += ((t63.reshape((d_K*d_V, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t66 = t65.view((d_V, d_K, d_V, d_K))
+    t67 = W_Q.transpose(-1, -2)
+    t68 = (1/(d_K*n_batch)) * t67
+    t69 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t70 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
+    t71 = ((t70.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t72 = (2/(L*d_K*d_V*n_batch)) * t67
+    t73 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t74 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+    t75 = ((t74.permute(1, 2, 0, 3) @ t73.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t76 = (X.reshape((L*n_batch, d_V)) @ t72.permute(1, 0)).reshape((n_batch, L, d_K))
+    t77 = ((t76.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t78 = t66.diagonal(0, 1, 3)
+    t79 = t47.transpose(-1, -2)
+    t80 = t69.reshape((d_K*d_V, L*n_batch))
+    t81 = t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t82 = t75.reshape((d_K*d_V, L*n_batch))
+    t83 = t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t84 = torch.cat([t80, t82], dim=-1)
+    t85 = torch.cat([t81, t83], dim=-2)
+    t66[...] = ((t84 @ t85).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t78 += (t79.sum((0,)).reshape((d_V**2, 1)) * t49.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t87 = t86.view((d_V, d_K, d_V, d_K))
+    t88 = ((t73.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t89 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t76.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t90 = M_3.permute(2, 3, 0, 1)
+    t91 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t70.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t92 = t88.reshape((d_V**2, L*n_batch))
+    t93 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t94 = t90.reshape((d_V**2, L*n_batch))
+    t95 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t96 = torch.cat([t92, t94], dim=-1)
+    t97 = torch.cat([t93, t95], dim=-2)
+    t87[...] = ((t96 @ t97).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t99 = t98.view((d_V, d_K, d_V, d_V))
+    t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
+    t101 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t102 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
+    t103 = ((t102.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    t105 = M_2.permute(3, 2, 0, 1)
+    t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
+    t107 = ((t106.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t99[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t99 += ((t105.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t109 = t108.view((d_V, d_V, d_V, d_K))
+    t110 = M_1.transpose(-1, -2)
+    t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
+    t112 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t113 = ((t112.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t114 = ((X.reshape((n_batch, L, d_V, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t115 = G.transpose(-1, -2)
+    t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
+    t117 = ((X.reshape((n_batch, L, d_V, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t118 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t109[...] = ((t113.reshape((d_K*d_V, L*n_batch)) @ t114.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t109 += ((t117.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t120 = t119.view((d_V, d_V, d_V, d_K))
+    t121 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t122 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t123 = M_2.permute(2, 3, 0, 1)
+    t124 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t120[...] = ((t121.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t120 += ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t125[...] = 0
+    t126 = t125.view((d_V, d_V, d_V, d_V))
+    t127 = t126.diagonal(0, 1, 3)
+    t128 = t110 @ M_1
+    t129 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t130 = (2/(L*d_V*n_batch)) * t129
+    t127 += (t128.sum((0,)).reshape((d_V**2, 1)) * t130.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -2519,7 +2509,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -2547,7 +2537,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = t14 * t31
@@ -2722,18 +2712,18 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t15 = (t14 @ t13)
-    t16 = (t15.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t17 = (X * X).permute(2, 0, 1)
+    t13 = (X * X).permute(2, 0, 1)
+    t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t16 = (t15 @ t14)
+    t17 = (t16.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
     t18 = A @ X
     M_1 = t18
     t19 = M_1 @ W_V
@@ -2746,16 +2736,16 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t27.reshape((d_K, 1, d_V)))
-    t29 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t28.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t30 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
+    t28 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t29 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t27.reshape((d_K, 1, d_V)))
+    t30 = (t29.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t13.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t28.reshape((d_V, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -2775,7 +2765,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2798,7 +2788,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2825,7 +2815,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2849,7 +2839,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2857,13 +2847,13 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t31 = t16.reshape(*t16.shape[:2], -1)
-    t32 = t29.reshape(*t29.shape[:2], -1)
-    t33 = torch.cat([t31, t32], dim=-1)
-    t34 = t17.reshape(*t17.shape[:2], -1)
-    t35 = t30.reshape(*t30.shape[:2], -1)
-    t36 = torch.cat([t34, t35], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t33, t36, optimize=[(0, 1)])
+    t31 = t16.reshape((d_K**2, L*n_batch))
+    t32 = t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t33 = t29.reshape((d_K**2, L*n_batch))
+    t34 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t35 = torch.cat([t31, t33], dim=-1)
+    t36 = torch.cat([t32, t34], dim=-2)
+    t0[...] = ((t35 @ t36).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -2883,7 +2873,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -2911,7 +2901,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = t14 * t31
@@ -2960,39 +2950,38 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
-    t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t21 = ((t20.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t20 = (t19 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = W_V @ t12
     t25 = (2/(L*d_K*d_V*n_batch)) * t1
-    t26 = ((t20.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t28 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t29 = ((t28 @ t27)).permute(3, 2, 0, 1)
+    t26 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t28 = ((t27 @ t26)).permute(3, 2, 0, 1)
+    t29 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t30 = t0.diagonal(0, 1, 3)
     t31 = t16 @ X
     t32 = t2 @ t31
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = t32.sum((0,))
-    t36 = t21.reshape(*t21.shape[:2], -1)
-    t37 = t26.reshape(*t26.shape[:2], -1)
-    t38 = torch.cat([t36, t37], dim=-1)
-    t39 = t22.reshape(*t22.shape[:2], -1)
-    t40 = t29.reshape(*t29.shape[:2], -1)
-    t41 = torch.cat([t39, t40], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t38, t41, optimize=[(0, 1)])
-    t30 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
+    t35 = t20.reshape((d_K*d_V, L*n_batch))
+    t36 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t37 = t28.reshape((d_K*d_V, L*n_batch))
+    t38 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t39 = torch.cat([t35, t37], dim=-1)
+    t40 = torch.cat([t36, t38], dim=-2)
+    t0[...] = ((t39 @ t40).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t30 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -3026,7 +3015,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t20 = (t19 @ X.permute(0, 2, 1))
     t21 = (t20.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -3034,7 +3023,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t23.permute(1, 2, 0) @ t22.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t25 = W_V @ t11
     t26 = (X.reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
@@ -3088,7 +3077,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3104,10 +3093,10 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (2/(L*d_V)) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = (t18 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t20 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3127,7 +3116,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3181,18 +3170,18 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = t15 * t14.permute(2, 0, 1)
-    t17 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = ((t17.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t14 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t15 = (t14.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = t17 * t16.permute(2, 0, 1)
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -3205,16 +3194,16 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = t15 * t29.permute(2, 0, 1)
-    t31 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    t29 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
+    t31 = t17 * t30.permute(2, 0, 1)
+    t0[...] = (t15.reshape((d_V, L*n_batch)) @ t18.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t29.reshape((d_V, L*n_batch)) @ t31.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -3235,7 +3224,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3258,7 +3247,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3299,7 +3288,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3308,7 +3297,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = ((t22.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3325,15 +3314,14 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t2 @ t34
     t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t38 = t35.sum((0,))
-    t39 = t21.reshape(*t21.shape[:2], -1)
-    t40 = t29.reshape(*t29.shape[:2], -1)
-    t41 = torch.cat([t39, t40], dim=-1)
-    t42 = t23.reshape(*t23.shape[:2], -1)
-    t43 = t31.reshape(*t31.shape[:2], -1)
-    t44 = torch.cat([t42, t43], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t41, t44, optimize=[(0, 1)])
-    t32 += oe.contract('a,bc->bca', t37, t38, optimize=[(0, 1)])
+    t38 = t21.reshape((d_K*d_V, L*n_batch))
+    t39 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t40 = t29.reshape((d_K*d_V, L*n_batch))
+    t41 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t42 = torch.cat([t38, t40], dim=-1)
+    t43 = torch.cat([t39, t41], dim=-2)
+    t0[...] = ((t42 @ t43).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t32 += (t35.sum((0,)).reshape((d_V**2, 1)) * t37.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -3369,7 +3357,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_Q.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -3377,7 +3365,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t25.permute(1, 2, 0) @ t24.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = W_V @ t11
     t28 = (X.reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
@@ -3433,18 +3421,18 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t14.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t17 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = ((t17.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t14 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t15 = ((t14.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -3457,21 +3445,21 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t31 = M_3.permute(2, 3, 0, 1)
-    t32 = t16.reshape(*t16.shape[:2], -1)
-    t33 = t30.reshape(*t30.shape[:2], -1)
-    t34 = torch.cat([t32, t33], dim=-1)
-    t35 = t18.reshape(*t18.shape[:2], -1)
-    t36 = t31.reshape(*t31.shape[:2], -1)
-    t37 = torch.cat([t35, t36], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t34, t37, optimize=[(0, 1)])
+    t29 = M_3.permute(2, 3, 0, 1)
+    t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
+    t31 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t30.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t32 = t15.reshape((d_V**2, L*n_batch))
+    t33 = t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t34 = t29.reshape((d_V**2, L*n_batch))
+    t35 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t36 = torch.cat([t32, t34], dim=-1)
+    t37 = torch.cat([t33, t35], dim=-2)
+    t0[...] = ((t36 @ t37).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3492,7 +3480,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3520,7 +3508,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t32.reshape((L*n_batch, d_K)) @ t11.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3558,7 +3546,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3574,11 +3562,11 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (2/(L*d_V)) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
-    t21 = ((t20.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t22 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t20 = M_2.permute(3, 2, 0, 1)
+    t21 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
+    t22 = ((t21.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t20.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3599,7 +3587,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3656,8 +3644,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).permute(1, 0)
     return out
 
 
@@ -3704,7 +3691,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3719,10 +3706,10 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = G.transpose(-1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3746,7 +3733,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3802,14 +3789,14 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t15 = ((t14.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t16 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t14 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -3817,10 +3804,10 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = G.transpose(-1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = ((t14.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = M_2.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t22 = M_2.permute(2, 3, 0, 1)
+    t23 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3844,7 +3831,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3902,8 +3889,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
+    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -3946,7 +3932,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3975,7 +3961,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = t14 * t33
@@ -4014,7 +4000,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4045,7 +4031,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = t1 @ t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t33.sum((0,))).reshape((n_batch, L, d_V))
     t35 = (t34 @ X.permute(0, 2, 1))
     t36 = (t35.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -4094,7 +4080,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4151,7 +4137,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4183,7 +4169,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.sum((0,))).reshape((n_batch, L, d_V))
     t37 = (t36 @ X.permute(0, 2, 1))
     t38 = (t37.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -4233,7 +4219,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4262,7 +4248,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t33.reshape((L*n_batch, d_K)) @ t33.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4302,7 +4288,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4362,7 +4348,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4421,7 +4407,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4569,12 +4555,12 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t11 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (X.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t10).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t13.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (t13.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t16 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
     t17 = (t15.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += ((t17.reshape((n_batch, L, d_K*d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 4, 2, 3)
+    t2 += (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -4600,12 +4586,12 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t11 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (X.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t10).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t13.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (t13.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t16 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
     t17 = (t15.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += ((t17.reshape((n_batch, L, d_K*d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 4, 2, 3)
+    t2 += (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -4740,7 +4726,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4752,13 +4738,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t18 = (t17 @ t16)
     t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t1[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = ((t17 @ t16)).permute(3, 2, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t23 = ((t17 @ t16)).permute(3, 2, 0, 1)
+    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t27 = t26.view((d_V, d_K, d_V, d_V))
     t28 = A @ X
@@ -4767,7 +4753,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t30 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t31 = ((t30.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
     t32 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t27[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = t33.view((d_V, d_K, d_V, d_K))
     t35 = W_Q.transpose(-1, -2)
@@ -4777,19 +4763,19 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = ((t38.permute(1, 2, 0, 3) @ t37.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t40 = (X.reshape((L*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_K))
     t41 = ((t40.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t34[...] = oe.contract('abcd,efcd->aefb', t39, t41, optimize=[(0, 1)])
+    t34[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t40.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t45 = ((t37.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t44 = ((t37.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t45 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t40.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t43[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = t46.view((d_V, d_K, d_V, d_V))
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t50 = (X.reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = ((t50.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t47[...] = oe.contract('abcd,efcd->aefb', t49, t51, optimize=[(0, 1)])
+    t47[...] = ((t49.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = M_1.transpose(-1, -2)
@@ -4797,12 +4783,12 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t56 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t57 = ((t56.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t58 = ((X.reshape((n_batch, L, d_V, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
+    t53[...] = ((t57.reshape((d_K*d_V, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
-    t61 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t62 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t61 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t62 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t60[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t63[...] = 0
     t64 = t63.view((d_V, d_V, d_V, d_V))
@@ -4810,8 +4796,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t66 = t54 @ M_1
     t67 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t68 = (2/(L*d_V*n_batch)) * t67
-    t69 = t66.sum((0,))
-    t65 += oe.contract('a,bc->bca', t68, t69, optimize=[(0, 1)])
+    t65 += (t66.sum((0,)).reshape((d_V**2, 1)) * t68.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -4881,7 +4866,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4979,19 +4964,19 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = W_V.transpose(-1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t17 = (t16 @ t15)
-    t18 = (t17.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t19 = (X * X).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t15 = (X * X).permute(2, 0, 1)
+    t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17 @ t16)
+    t19 = (t18.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t15.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -5013,7 +4998,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5047,7 +5032,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5059,7 +5044,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = (t16 @ t15)
     t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_K**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -5081,7 +5066,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5122,19 +5107,19 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = W_V.transpose(-1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t19 = ((t18 @ t17)).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t19, optimize=[(0, 1)])
+    t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t17 = ((t16 @ t15)).permute(3, 2, 0, 1)
+    t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t19 = ((t18.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5156,7 +5141,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5197,7 +5182,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5207,7 +5192,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
     t16 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -5229,7 +5214,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5268,19 +5253,19 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = W_V.transpose(-1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = t17 * t16.permute(2, 0, 1)
-    t19 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = ((t19.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t20, optimize=[(0, 1)])
+    t16 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t17 = (t16.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = t19 * t18.permute(2, 0, 1)
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -5303,7 +5288,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5338,7 +5323,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5350,7 +5335,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = ((t17.permute(1, 2, 0, 3) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t19 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = ((t19.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t20, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -5373,7 +5358,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5415,19 +5400,19 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = W_V.transpose(-1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t19 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = ((t19.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t20, optimize=[(0, 1)])
+    t16 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t17 = ((t16.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5450,7 +5435,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5492,7 +5477,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5502,7 +5487,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t16 = (X.reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = ((t16.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -5525,7 +5510,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5567,8 +5552,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t15 = oe.contract('abb->b', t12)
-    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t14, t12)).permute(1, 0)
     return out
 
 
@@ -5619,7 +5603,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5627,7 +5611,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -5653,7 +5637,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5693,15 +5677,15 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t17 = ((t16.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t18 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t16 = (t12 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5727,7 +5711,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5769,8 +5753,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = t13.sum((0,))
-    t1 += oe.contract('a,bc->bca', t15, t16, optimize=[(0, 1)])
+    t1 += (t13.sum((0,)).reshape((d_V**2, 1)) * t15.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -5832,7 +5815,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5840,69 +5823,67 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t1[...] = ((t24.reshape((d_K**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t30 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t28 = (t22 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t31 = t27.diagonal(0, 1, 3)
     t32 = t19 @ X
     t33 = t3 @ t32
     t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = t33.sum((0,))
-    t27[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 += oe.contract('a,bc->bca', t35, t36, optimize=[(0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t27[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t31 += (t33.sum((0,)).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
-    t39 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    t38 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t40 = (t39 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t41 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t42 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_K, d_V, d_K))
-    t45 = W_Q.transpose(-1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t48 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
-    t49 = ((t48.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t50 = t44.diagonal(0, 1, 3)
-    t51 = t33.transpose(-1, -2)
-    t52 = t51.sum((0,))
-    t44[...] = oe.contract('abcd,efcd->aefb', t47, t49, optimize=[(0, 1)])
-    t50 += oe.contract('a,bc->bca', t35, t52, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = t53.view((d_V, d_K, d_V, d_K))
-    t55 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t48.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t56 = M_3.permute(2, 3, 0, 1)
-    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58 = t57.view((d_V, d_K, d_V, d_V))
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t60 = (X.reshape((L*n_batch, d_V)) @ t59.permute(1, 0)).reshape((n_batch, L, d_K))
-    t61 = ((t60.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t62 = M_2.permute(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t64 = t63.view((d_V, d_V, d_V, d_K))
-    t65 = G.transpose(-1, -2)
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t65
-    t67 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t68 = ((X.reshape((n_batch, L, d_V, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t64[...] = oe.contract('abcd,efcd->aefb', t67, t68, optimize=[(0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t70 = t69.view((d_V, d_V, d_V, d_K))
-    t71 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t72 = M_2.permute(2, 3, 0, 1)
-    t70[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
-    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t73[...] = 0
+    t37[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = W_Q.transpose(-1, -2)
+    t45 = (1/(d_K*n_batch)) * t44
+    t46 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t47 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t45.permute(1, 0)).reshape((n_batch, L, d_K))
+    t48 = ((t47.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t49 = t43.diagonal(0, 1, 3)
+    t50 = t33.transpose(-1, -2)
+    t43[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t49 += (t50.sum((0,)).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t53 = M_3.permute(2, 3, 0, 1)
+    t54 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t47.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t52[...] = ((t53.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = t55.view((d_V, d_K, d_V, d_V))
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t58 = M_2.permute(3, 2, 0, 1)
+    t59 = (X.reshape((L*n_batch, d_V)) @ t57.permute(1, 0)).reshape((n_batch, L, d_K))
+    t60 = ((t59.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t56[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t62 = t61.view((d_V, d_V, d_V, d_K))
+    t63 = G.transpose(-1, -2)
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
+    t65 = ((X.reshape((n_batch, L, d_V, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t66 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t62[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = M_2.permute(2, 3, 0, 1)
+    t70 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t68[...] = ((t69.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
     return H
 
 
@@ -5999,7 +5980,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6027,7 +6008,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t43 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t37 * t35).sum() + (1/(d_K**2*n_batch**2)) * (t42 * t39.permute(0, 2, 3, 1)).sum()
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t45 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t46 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t46 * t22
@@ -6108,15 +6089,15 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
-    t22 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t21.reshape((d_K, 1, d_V)))
-    t23 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t22.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t24 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t22 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t23 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t21.reshape((d_K, 1, d_V)))
+    t24 = (t23.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t22.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -6150,7 +6131,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6192,7 +6173,7 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6200,7 +6181,7 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t23 = ((t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t0[...] = ((t23.reshape((d_K**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -6234,7 +6215,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6282,22 +6263,21 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t22 = (t21 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t25 = t0.diagonal(0, 1, 3)
     t26 = t18 @ X
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t30 = t27.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('a,bc->bca', t29, t30, optimize=[(0, 1)])
+    t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t25 += (t27.sum((0,)).reshape((d_V**2, 1)) * t29.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -6333,7 +6313,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -6373,7 +6353,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6385,9 +6365,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (2/(L*d_V)) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t18 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = (t16 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t18 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -6409,7 +6389,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -6464,16 +6444,16 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = t24 * t23.permute(2, 0, 1)
-    t26 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
+    t23 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t26 = t25 * t24.permute(2, 0, 1)
+    t0[...] = (t23.reshape((d_V, L*n_batch)) @ t26.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -6508,7 +6488,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6551,7 +6531,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6565,9 +6545,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t29 = t2 @ t28
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = t29.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t25, optimize=[(0, 1)])
-    t26 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
+    t0[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t26 += (t29.sum((0,)).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -6605,7 +6584,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_Q.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t24 = (t23 @ X.permute(0, 2, 1))
     t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -6658,16 +6637,16 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t26 = M_3.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t23 = M_3.permute(2, 3, 0, 1)
+    t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t26 = ((t25.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t24.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6702,7 +6681,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6739,7 +6718,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6751,10 +6730,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (2/(L*d_V)) * t15
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = (X.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_K))
-    t19 = ((t18.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t20 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t18 = M_2.permute(3, 2, 0, 1)
+    t19 = (X.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_K))
+    t20 = ((t19.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6777,7 +6756,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -6847,14 +6826,14 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t18 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -6884,7 +6863,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6927,15 +6906,15 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t19 = ((t18.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 = M_2.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t18 = M_2.permute(2, 3, 0, 1)
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6965,7 +6944,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7021,7 +7000,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7045,7 +7024,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7053,124 +7032,121 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t31 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t32 = ((t31.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t33 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34 = t19.reshape(*t19.shape[:2], -1)
-    t35 = t32.reshape(*t32.shape[:2], -1)
-    t36 = torch.cat([t34, t35], dim=-1)
-    t37 = t20.reshape(*t20.shape[:2], -1)
-    t38 = t33.reshape(*t33.shape[:2], -1)
-    t39 = torch.cat([t37, t38], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
+    t34 = t19.reshape((d_K**2, L*n_batch))
+    t35 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t36 = t32.reshape((d_K**2, L*n_batch))
+    t37 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t38 = torch.cat([t34, t36], dim=-1)
+    t39 = torch.cat([t35, t37], dim=-2)
+    t1[...] = ((t38 @ t39).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
-    t42 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t43 = ((t42.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t44 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t45 = ((t42.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t46 = ((t17 @ t16)).permute(3, 2, 0, 1)
+    t42 = (t30 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t43 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t44 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45 = ((t17 @ t16)).permute(3, 2, 0, 1)
+    t46 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t47 = t41.diagonal(0, 1, 3)
     t48 = t28 @ X
     t49 = t3 @ t48
     t50 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t52 = t49.sum((0,))
-    t53 = t43.reshape(*t43.shape[:2], -1)
-    t54 = t45.reshape(*t45.shape[:2], -1)
-    t55 = torch.cat([t53, t54], dim=-1)
-    t56 = t44.reshape(*t44.shape[:2], -1)
-    t57 = t46.reshape(*t46.shape[:2], -1)
-    t58 = torch.cat([t56, t57], dim=-1)
-    t41[...] = oe.contract('abg,efg->aefb', t55, t58, optimize=[(0, 1)])
-    t47 += oe.contract('a,bc->bca', t51, t52, optimize=[(0, 1)])
-    t59 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t60 = t59.view((d_V, d_K, d_V, d_V))
-    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t62 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t61.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t63 = ((t62.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
-    t64 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t52 = t42.reshape((d_K*d_V, L*n_batch))
+    t53 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t54 = t45.reshape((d_K*d_V, L*n_batch))
+    t55 = t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t56 = torch.cat([t52, t54], dim=-1)
+    t57 = torch.cat([t53, t55], dim=-2)
+    t41[...] = ((t56 @ t57).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t47 += (t49.sum((0,)).reshape((d_V**2, 1)) * t51.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = t58.view((d_V, d_K, d_V, d_V))
+    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t61 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t62 = ((t61.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t65 = (t64 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t66 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t67 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t65.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t60[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t60 += oe.contract('abcd,efcd->aefb', t66, t67, optimize=[(0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t69 = t68.view((d_V, d_K, d_V, d_K))
-    t70 = W_Q.transpose(-1, -2)
-    t71 = (1/(d_K*n_batch)) * t70
-    t72 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t73 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_K))
-    t74 = ((t73.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t75 = (2/(L*d_K*d_V*n_batch)) * t70
-    t76 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t77 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t78 = ((t77.permute(1, 2, 0, 3) @ t76.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t79 = (X.reshape((L*n_batch, d_V)) @ t75.permute(1, 0)).reshape((n_batch, L, d_K))
-    t80 = ((t79.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t81 = t69.diagonal(0, 1, 3)
-    t82 = t49.transpose(-1, -2)
-    t83 = t82.sum((0,))
-    t84 = t72.reshape(*t72.shape[:2], -1)
-    t85 = t78.reshape(*t78.shape[:2], -1)
-    t86 = torch.cat([t84, t85], dim=-1)
-    t87 = t74.reshape(*t74.shape[:2], -1)
-    t88 = t80.reshape(*t80.shape[:2], -1)
-    t89 = torch.cat([t87, t88], dim=-1)
-    t69[...] = oe.contract('abg,efg->aefb', t86, t89, optimize=[(0, 1)])
-    t81 += oe.contract('a,bc->bca', t51, t83, optimize=[(0, 1)])
-    t90 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t91 = t90.view((d_V, d_K, d_V, d_K))
-    t92 = ((t42.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t79.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t93 = ((t76.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t94 = ((t42.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t73.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t95 = M_3.permute(2, 3, 0, 1)
-    t96 = t92.reshape(*t92.shape[:2], -1)
-    t97 = t94.reshape(*t94.shape[:2], -1)
-    t98 = torch.cat([t96, t97], dim=-1)
-    t99 = t93.reshape(*t93.shape[:2], -1)
-    t100 = t95.reshape(*t95.shape[:2], -1)
-    t101 = torch.cat([t99, t100], dim=-1)
-    t91[...] = oe.contract('abg,efg->eafb', t98, t101, optimize=[(0, 1)])
-    t102 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t103 = t102.view((d_V, d_K, d_V, d_V))
-    t104 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t70
-    t105 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
-    t107 = ((t106.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t108 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t109 = (X.reshape((L*n_batch, d_V)) @ t108.permute(1, 0)).reshape((n_batch, L, d_K))
-    t110 = ((t109.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t111 = M_2.permute(3, 2, 0, 1)
-    t103[...] = oe.contract('abcd,efcd->aefb', t105, t107, optimize=[(0, 1)])
-    t103 += oe.contract('abcd,efcd->eafb', t110, t111, optimize=[(0, 1)])
-    t112 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t113 = t112.view((d_V, d_V, d_V, d_K))
-    t114 = M_1.transpose(-1, -2)
-    t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t114
-    t116 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t117 = ((t116.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t118 = ((X.reshape((n_batch, L, d_V, 1)) * t115.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t119 = G.transpose(-1, -2)
-    t120 = (1/(math.sqrt(d_K)*n_batch)) * t119
-    t121 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t122 = ((X.reshape((n_batch, L, d_V, 1)) * t120.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t113[...] = oe.contract('abcd,efcd->eafb', t117, t118, optimize=[(0, 1)])
-    t113 += oe.contract('abcd,efcd->aefb', t121, t122, optimize=[(0, 1)])
-    t123 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t124 = t123.view((d_V, d_V, d_V, d_K))
-    t125 = ((t42.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t115.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t126 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t127 = ((t42.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t120.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t128 = M_2.permute(2, 3, 0, 1)
-    t124[...] = oe.contract('abcd,efcd->aefb', t125, t126, optimize=[(0, 1)])
-    t124 += oe.contract('abcd,efcd->eafb', t127, t128, optimize=[(0, 1)])
-    t129 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t129[...] = 0
-    t130 = t129.view((d_V, d_V, d_V, d_V))
-    t131 = t130.diagonal(0, 1, 3)
-    t132 = t114 @ M_1
-    t133 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t134 = (2/(L*d_V*n_batch)) * t133
-    t135 = t132.sum((0,))
-    t131 += oe.contract('a,bc->bca', t134, t135, optimize=[(0, 1)])
+    t59[...] = ((t62.reshape((d_K*d_V, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t59 += ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t68 = t67.view((d_V, d_K, d_V, d_K))
+    t69 = W_Q.transpose(-1, -2)
+    t70 = (1/(d_K*n_batch)) * t69
+    t71 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t72 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_K))
+    t73 = ((t72.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t74 = (2/(L*d_K*d_V*n_batch)) * t69
+    t75 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t76 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+    t77 = ((t76.permute(1, 2, 0, 3) @ t75.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t78 = (X.reshape((L*n_batch, d_V)) @ t74.permute(1, 0)).reshape((n_batch, L, d_K))
+    t79 = ((t78.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t80 = t68.diagonal(0, 1, 3)
+    t81 = t49.transpose(-1, -2)
+    t82 = t71.reshape((d_K*d_V, L*n_batch))
+    t83 = t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t84 = t77.reshape((d_K*d_V, L*n_batch))
+    t85 = t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t86 = torch.cat([t82, t84], dim=-1)
+    t87 = torch.cat([t83, t85], dim=-2)
+    t68[...] = ((t86 @ t87).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t80 += (t81.sum((0,)).reshape((d_V**2, 1)) * t51.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t89 = t88.view((d_V, d_K, d_V, d_K))
+    t90 = ((t75.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t91 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t78.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t92 = M_3.permute(2, 3, 0, 1)
+    t93 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t72.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t94 = t90.reshape((d_V**2, L*n_batch))
+    t95 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t96 = t92.reshape((d_V**2, L*n_batch))
+    t97 = t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t98 = torch.cat([t94, t96], dim=-1)
+    t99 = torch.cat([t95, t97], dim=-2)
+    t89[...] = ((t98 @ t99).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t101 = t100.view((d_V, d_K, d_V, d_V))
+    t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
+    t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
+    t105 = ((t104.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t107 = M_2.permute(3, 2, 0, 1)
+    t108 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
+    t109 = ((t108.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t101[...] = ((t103.reshape((d_V**2, L*n_batch)) @ t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t101 += ((t107.reshape((d_V**2, L*n_batch)) @ t109.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t111 = t110.view((d_V, d_V, d_V, d_K))
+    t112 = M_1.transpose(-1, -2)
+    t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
+    t114 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t115 = ((t114.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t116 = ((X.reshape((n_batch, L, d_V, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t117 = G.transpose(-1, -2)
+    t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
+    t119 = ((X.reshape((n_batch, L, d_V, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t120 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t111[...] = ((t115.reshape((d_K*d_V, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t111 += ((t119.reshape((d_V**2, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t122 = t121.view((d_V, d_V, d_V, d_K))
+    t123 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t124 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t125 = M_2.permute(2, 3, 0, 1)
+    t126 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t122[...] = ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t122 += ((t125.reshape((d_V**2, L*n_batch)) @ t126.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t127[...] = 0
+    t128 = t127.view((d_V, d_V, d_V, d_V))
+    t129 = t128.diagonal(0, 1, 3)
+    t130 = t112 @ M_1
+    t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t132 = (2/(L*d_V*n_batch)) * t131
+    t129 += (t130.sum((0,)).reshape((d_V**2, 1)) * t132.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -7263,7 +7239,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7291,7 +7267,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = t16 * t33
@@ -7468,18 +7444,18 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = W_V.transpose(-1, -2)
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t17 = (t16 @ t15)
-    t18 = (t17.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t19 = (X * X).permute(2, 0, 1)
+    t15 = (X * X).permute(2, 0, 1)
+    t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17 @ t16)
+    t19 = (t18.permute(3, 0, 1, 2).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
     t20 = A @ X
     M_1 = t20
     t21 = M_1 @ W_V
@@ -7492,16 +7468,16 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
-    t30 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t29.reshape((d_K, 1, d_V)))
-    t31 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t30.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t32 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
+    t30 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t31 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t29.reshape((d_K, 1, d_V)))
+    t32 = (t31.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t15.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t30.reshape((d_V, L*n_batch)) @ t32.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -7523,7 +7499,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7546,7 +7522,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7575,7 +7551,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7599,7 +7575,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7607,13 +7583,13 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t31 = ((t30.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t32 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33 = t18.reshape(*t18.shape[:2], -1)
-    t34 = t31.reshape(*t31.shape[:2], -1)
-    t35 = torch.cat([t33, t34], dim=-1)
-    t36 = t19.reshape(*t19.shape[:2], -1)
-    t37 = t32.reshape(*t32.shape[:2], -1)
-    t38 = torch.cat([t36, t37], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t35, t38, optimize=[(0, 1)])
+    t33 = t18.reshape((d_K**2, L*n_batch))
+    t34 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t35 = t31.reshape((d_K**2, L*n_batch))
+    t36 = t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t37 = torch.cat([t33, t35], dim=-1)
+    t38 = torch.cat([t34, t36], dim=-2)
+    t0[...] = ((t37 @ t38).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -7635,7 +7611,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7663,7 +7639,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = t16 * t33
@@ -7714,39 +7690,38 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t22 = (t21 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t25 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = W_V @ t14
     t27 = (2/(L*d_K*d_V*n_batch)) * t1
-    t28 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t30 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t31 = ((t30 @ t29)).permute(3, 2, 0, 1)
+    t28 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t30 = ((t29 @ t28)).permute(3, 2, 0, 1)
+    t31 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t32 = t0.diagonal(0, 1, 3)
     t33 = t18 @ X
     t34 = t2 @ t33
     t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = t34.sum((0,))
-    t38 = t23.reshape(*t23.shape[:2], -1)
-    t39 = t28.reshape(*t28.shape[:2], -1)
-    t40 = torch.cat([t38, t39], dim=-1)
-    t41 = t24.reshape(*t24.shape[:2], -1)
-    t42 = t31.reshape(*t31.shape[:2], -1)
-    t43 = torch.cat([t41, t42], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t40, t43, optimize=[(0, 1)])
-    t32 += oe.contract('a,bc->bca', t36, t37, optimize=[(0, 1)])
+    t37 = t22.reshape((d_K*d_V, L*n_batch))
+    t38 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t39 = t30.reshape((d_K*d_V, L*n_batch))
+    t40 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t41 = torch.cat([t37, t39], dim=-1)
+    t42 = torch.cat([t38, t40], dim=-2)
+    t0[...] = ((t41 @ t42).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t32 += (t34.sum((0,)).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -7782,7 +7757,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -7790,7 +7765,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t25.permute(1, 2, 0) @ t24.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = W_V @ t13
     t28 = (X.reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
@@ -7846,7 +7821,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7862,10 +7837,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (2/(L*d_V)) * t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t21 = (t20 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t22 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t21.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7887,7 +7862,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7943,18 +7918,18 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = W_V.transpose(-1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = t17 * t16.permute(2, 0, 1)
-    t19 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = ((t19.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t16 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t17 = (t16.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = t19 * t18.permute(2, 0, 1)
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -7967,16 +7942,16 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
-    t32 = t17 * t31.permute(2, 0, 1)
-    t33 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
+    t31 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
+    t33 = t19 * t32.permute(2, 0, 1)
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t31.reshape((d_V, L*n_batch)) @ t33.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -7999,7 +7974,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8022,7 +7997,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8065,7 +8040,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8074,7 +8049,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = ((t24.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t26 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8091,15 +8066,14 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t2 @ t36
     t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = t37.sum((0,))
-    t41 = t23.reshape(*t23.shape[:2], -1)
-    t42 = t31.reshape(*t31.shape[:2], -1)
-    t43 = torch.cat([t41, t42], dim=-1)
-    t44 = t25.reshape(*t25.shape[:2], -1)
-    t45 = t33.reshape(*t33.shape[:2], -1)
-    t46 = torch.cat([t44, t45], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t43, t46, optimize=[(0, 1)])
-    t34 += oe.contract('a,bc->bca', t39, t40, optimize=[(0, 1)])
+    t40 = t23.reshape((d_K*d_V, L*n_batch))
+    t41 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t42 = t31.reshape((d_K*d_V, L*n_batch))
+    t43 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t44 = torch.cat([t40, t42], dim=-1)
+    t45 = torch.cat([t41, t43], dim=-2)
+    t0[...] = ((t44 @ t45).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t34 += (t37.sum((0,)).reshape((d_V**2, 1)) * t39.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -8137,7 +8111,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = W_Q.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t24 = (t23 @ X.permute(0, 2, 1))
     t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -8145,7 +8119,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t28 = (t27.permute(1, 2, 0) @ t26.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = W_V @ t13
     t30 = (X.reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t31 = (t30 @ X.permute(0, 2, 1))
@@ -8203,18 +8177,18 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = W_V.transpose(-1, -2)
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t16 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t19 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = ((t19.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t16 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t17 = ((t16.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -8227,21 +8201,21 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
-    t32 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t31.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t33 = M_3.permute(2, 3, 0, 1)
-    t34 = t18.reshape(*t18.shape[:2], -1)
-    t35 = t32.reshape(*t32.shape[:2], -1)
-    t36 = torch.cat([t34, t35], dim=-1)
-    t37 = t20.reshape(*t20.shape[:2], -1)
-    t38 = t33.reshape(*t33.shape[:2], -1)
-    t39 = torch.cat([t37, t38], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t36, t39, optimize=[(0, 1)])
+    t31 = M_3.permute(2, 3, 0, 1)
+    t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
+    t33 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t32.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t34 = t17.reshape((d_V**2, L*n_batch))
+    t35 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t36 = t31.reshape((d_V**2, L*n_batch))
+    t37 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t38 = torch.cat([t34, t36], dim=-1)
+    t39 = torch.cat([t35, t37], dim=-2)
+    t0[...] = ((t38 @ t39).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8264,7 +8238,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8292,7 +8266,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t34.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8332,7 +8306,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8348,11 +8322,11 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = (2/(L*d_V)) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = ((t22.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t24 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t22 = M_2.permute(3, 2, 0, 1)
+    t23 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
+    t24 = ((t23.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8375,7 +8349,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8434,8 +8408,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t15 = oe.contract('abb->b', t12)
-    t0[...] = oe.contract('a,b->ba', t14, t15, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t14, t12)).permute(1, 0)
     return out
 
 
@@ -8486,7 +8459,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8501,10 +8474,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t21
     t22 = G.transpose(-1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -8530,7 +8503,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8588,14 +8561,14 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t17 = ((t16.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t18 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t16 = (t12 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = M_1 @ W_V
     F = t19
     t20 = F - Y
@@ -8603,10 +8576,10 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t21
     t22 = G.transpose(-1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = ((t16.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = M_2.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t24 = M_2.permute(2, 3, 0, 1)
+    t25 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t0 += ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8632,7 +8605,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8692,8 +8665,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = t13.sum((0,))
-    t1 += oe.contract('a,bc->bca', t15, t16, optimize=[(0, 1)])
+    t1 += (t13.sum((0,)).reshape((d_V**2, 1)) * t15.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -8740,7 +8712,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8769,7 +8741,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = t16 * t35
@@ -8810,7 +8782,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8841,7 +8813,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.sum((0,))).reshape((n_batch, L, d_V))
     t37 = (t36 @ X.permute(0, 2, 1))
     t38 = (t37.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -8892,7 +8864,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8951,7 +8923,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8983,7 +8955,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t37.sum((0,))).reshape((n_batch, L, d_V))
     t39 = (t38 @ X.permute(0, 2, 1))
     t40 = (t39.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -9035,7 +9007,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9064,7 +9036,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.reshape((L*n_batch, d_K)) @ t35.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9106,7 +9078,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9168,7 +9140,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9229,7 +9201,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9385,12 +9357,12 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t15.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t18 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += ((t19.reshape((n_batch, L, d_K*d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 4, 2, 3)
+    t2 += (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -9418,12 +9390,12 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t15.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t18 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += ((t19.reshape((n_batch, L, d_K*d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 4, 2, 3)
+    t2 += (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -9562,7 +9534,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9575,7 +9547,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -9586,13 +9558,13 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = (t25 @ t24)
     t27 = ((t26.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t1[...] = ((t27.reshape((d_K**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t32 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33 = ((t25 @ t24)).permute(2, 3, 0, 1)
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t31 = ((t25 @ t24)).permute(2, 3, 0, 1)
+    t32 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t33 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = t34.view((d_V, d_K, d_V, d_V))
     t36 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
@@ -9600,7 +9572,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = (t37.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t39 = ((t38 @ t22)).permute(2, 3, 0, 1)
     t40 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t39, t40, optimize=[(0, 1)])
+    t35[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = t41.view((d_V, d_K, d_V, d_K))
     t43 = W_Q.transpose(-1, -2)
@@ -9612,40 +9584,40 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t49 = ((t48.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t50 = (X.reshape((L*n_batch, d_V)) @ t44.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t42[...] = oe.contract('abcd,efcd->aefb', t49, t51, optimize=[(0, 1)])
+    t42[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t50.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t55 = ((t47 @ t46)).permute(3, 2, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t54 = ((t47 @ t46)).permute(3, 2, 0, 1)
+    t55 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t50.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t53[...] = ((t54.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = t56.view((d_V, d_K, d_V, d_V))
     t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
     t59 = ((t22.permute(0, 1, 3, 2) @ t45.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t60 = (X.reshape((L*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_K))
     t61 = ((t60.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t57[...] = oe.contract('abcd,efcd->aefb', t59, t61, optimize=[(0, 1)])
+    t57[...] = ((t59.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = t62.view((d_V, d_V, d_V, d_K))
     t64 = M_1.transpose(-1, -2)
     t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
-    t66 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t67 = (t66.permute(1, 2, 3, 0) @ M_2)
-    t68 = (t67.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t69 = ((t68.reshape((n_batch, L, d_V, d_K, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t70 = ((X.reshape((n_batch, L, d_V, 1)) * t65.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t66 = ((X.reshape((n_batch, L, d_V, 1)) * t65.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t67 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t68 = (t67.permute(1, 2, 3, 0) @ M_2)
+    t69 = (t68.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t70 = ((t69.reshape((n_batch, L, d_V, d_K, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t63[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t72 = t71.view((d_V, d_V, d_V, d_K))
-    t73 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t65.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t74 = ((t47 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t72[...] = oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
+    t73 = ((t47 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t74 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t65.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t72[...] = ((t73.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76 = t75.view((d_V, d_V, d_V, d_V))
     t77 = (1/(L*n_batch)) * t64
     t78 = ((dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t79 = ((M_1.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t76[...] = oe.contract('abcd,efcd->eafb', t78, t79, optimize=[(0, 1)])
+    t76[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -9719,7 +9691,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -9729,7 +9701,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9826,7 +9798,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9839,18 +9811,18 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
-    t23 = (t22 @ M_2)
-    t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t25 = (t24 @ t23)
-    t26 = (t25.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t27 = (X * X).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    t20 = (X * X).permute(2, 0, 1)
+    t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t22 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23 @ M_2)
+    t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t26 = (t25 @ t24)
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t20.reshape((d_V, L*n_batch)) @ t27.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -9870,7 +9842,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9883,7 +9855,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9914,7 +9886,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9927,7 +9899,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -9938,7 +9910,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t25 = (t24 @ t23)
     t26 = ((t25.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t0[...] = ((t26.reshape((d_K**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -9958,7 +9930,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -9968,7 +9940,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10012,7 +9984,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10025,18 +9997,18 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t21 = ((t20.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ M_2)
-    t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t27 = ((t26 @ t25)).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t27, optimize=[(0, 1)])
+    t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22 @ M_2)
+    t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t25 = ((t24 @ t23)).permute(2, 3, 0, 1)
+    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t25.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -10056,7 +10028,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -10066,7 +10038,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10110,7 +10082,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10123,14 +10095,14 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t19.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).permute(2, 3, 0, 1)
     t23 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -10150,7 +10122,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -10160,7 +10132,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -10196,7 +10168,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10209,18 +10181,18 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = t22 * t21.permute(2, 0, 1)
-    t24 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t25 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
-    t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27.reshape((n_batch, L, d_V, 1, d_V)) @ t26.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t28, optimize=[(0, 1)])
+    t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t23.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t26 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = t27 * t26.permute(2, 0, 1)
+    t0[...] = (t25.reshape((d_V, L*n_batch)) @ t28.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -10241,7 +10213,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10254,7 +10226,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10286,7 +10258,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10299,7 +10271,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -10310,7 +10282,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t27 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -10331,7 +10303,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10341,7 +10313,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10386,7 +10358,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10399,18 +10371,18 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t21.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t24 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t25 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
-    t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27 @ t26)).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t28, optimize=[(0, 1)])
+    t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = ((t24 @ t23)).permute(3, 2, 0, 1)
+    t26 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t26.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -10431,7 +10403,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10441,7 +10413,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10486,7 +10458,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10499,14 +10471,14 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t23 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = ((t23.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t24, optimize=[(0, 1)])
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -10527,7 +10499,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10537,7 +10509,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -10580,11 +10552,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
-    t18 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
+    t18 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t18.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -10612,7 +10584,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -10644,21 +10616,21 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA18.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = (t16.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (t21.permute(1, 2, 3, 0) @ M_2)
-    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (t16.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t23 = (t22.permute(1, 2, 3, 0) @ M_2)
+    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -10686,11 +10658,11 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -10733,21 +10705,21 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA18.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24 @ t23.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t25, optimize=[(0, 1)])
+    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -10775,11 +10747,11 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -10822,11 +10794,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -10854,7 +10826,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10901,7 +10873,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10909,69 +10881,67 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t26 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t1[...] = ((t27.reshape((d_K**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t32 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t31 = (t25 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t32 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t33 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t34 = t30.diagonal(0, 1, 3)
     t35 = t22 @ X
     t36 = t3 @ t35
     t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = t36.sum((0,))
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 += oe.contract('a,bc->bca', t38, t39, optimize=[(0, 1)])
-    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = t40.view((d_V, d_K, d_V, d_V))
+    t30[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t34 += (t36.sum((0,)).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
-    t42 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    t41 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t42.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t43 = (t42 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t44 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t45 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t41[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t47 = t46.view((d_V, d_K, d_V, d_K))
-    t48 = W_Q.transpose(-1, -2)
-    t49 = (1/(d_K*n_batch)) * t48
-    t50 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t51 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.permute(1, 0)).reshape((n_batch, L, d_K))
-    t52 = ((t51.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t53 = t47.diagonal(0, 1, 3)
-    t54 = t36.transpose(-1, -2)
-    t55 = t54.sum((0,))
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t52, optimize=[(0, 1)])
-    t53 += oe.contract('a,bc->bca', t38, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = t56.view((d_V, d_K, d_V, d_K))
-    t58 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t51.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t59 = M_3.permute(2, 3, 0, 1)
-    t57[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61 = t60.view((d_V, d_K, d_V, d_V))
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t48
-    t63 = (X.reshape((L*n_batch, d_V)) @ t62.permute(1, 0)).reshape((n_batch, L, d_K))
-    t64 = ((t63.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t65 = M_2.permute(3, 2, 0, 1)
-    t61[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t67 = t66.view((d_V, d_V, d_V, d_K))
-    t68 = G.transpose(-1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t71 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t67[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t75 = M_2.permute(2, 3, 0, 1)
-    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76[...] = 0
+    t40[...] = ((t43.reshape((d_K*d_V, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_V, d_K))
+    t47 = W_Q.transpose(-1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t50 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
+    t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t52 = t46.diagonal(0, 1, 3)
+    t53 = t36.transpose(-1, -2)
+    t46[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t52 += (t53.sum((0,)).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_K, d_V, d_K))
+    t56 = M_3.permute(2, 3, 0, 1)
+    t57 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t50.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t55[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = t58.view((d_V, d_K, d_V, d_V))
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t61 = M_2.permute(3, 2, 0, 1)
+    t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
+    t63 = ((t62.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t65 = t64.view((d_V, d_V, d_V, d_K))
+    t66 = G.transpose(-1, -2)
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
+    t68 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t69 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t71 = t70.view((d_V, d_V, d_V, d_K))
+    t72 = M_2.permute(2, 3, 0, 1)
+    t73 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t71[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74[...] = 0
     return H
 
 
@@ -11074,7 +11044,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11102,7 +11072,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.permute(0, 2, 3, 1)).sum()
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t48 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t49 * t25
@@ -11186,15 +11156,15 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
-    t25 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t24.reshape((d_K, 1, d_V)))
-    t26 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t25.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t27 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    t25 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t26 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t24.reshape((d_K, 1, d_V)))
+    t27 = (t26.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t25.reshape((d_V, L*n_batch)) @ t27.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -11231,7 +11201,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11276,7 +11246,7 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11284,7 +11254,7 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t0[...] = ((t26.reshape((d_K**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -11321,7 +11291,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11372,22 +11342,21 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
-    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t26 = ((t25.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t25 = (t24 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t28 = t0.diagonal(0, 1, 3)
     t29 = t21 @ X
     t30 = t2 @ t29
     t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t33 = t30.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
+    t0[...] = ((t25.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t28 += (t30.sum((0,)).reshape((d_V**2, 1)) * t32.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -11426,7 +11395,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -11464,7 +11433,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11481,9 +11450,9 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t20 = (t19 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t21 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -11503,7 +11472,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -11566,16 +11535,16 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
-    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = t27 * t26.permute(2, 0, 1)
-    t29 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t26 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
+    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t29 = t28 * t27.permute(2, 0, 1)
+    t0[...] = (t26.reshape((d_V, L*n_batch)) @ t29.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -11613,7 +11582,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11659,7 +11628,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11673,9 +11642,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t32 = t2 @ t31
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = t32.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
-    t29 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
+    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t29 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -11716,7 +11684,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -11772,16 +11740,16 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
-    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t26.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t29 = M_3.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t26 = M_3.permute(2, 3, 0, 1)
+    t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
+    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t27.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11819,7 +11787,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11854,7 +11822,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11871,10 +11839,10 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = (1/L) * t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = ((t21.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t23 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t21 = M_2.permute(3, 2, 0, 1)
+    t22 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t23 = ((t22.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11895,7 +11863,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -11973,14 +11941,14 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -12013,7 +11981,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12059,15 +12027,15 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = M_2.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t21 = M_2.permute(2, 3, 0, 1)
+    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -12100,7 +12068,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12154,7 +12122,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12167,7 +12135,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -12190,7 +12158,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12198,126 +12166,124 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t40 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t41 = ((t40.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t42 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t43 = t27.reshape(*t27.shape[:2], -1)
-    t44 = t41.reshape(*t41.shape[:2], -1)
-    t45 = torch.cat([t43, t44], dim=-1)
-    t46 = t28.reshape(*t28.shape[:2], -1)
-    t47 = t42.reshape(*t42.shape[:2], -1)
-    t48 = torch.cat([t46, t47], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t45, t48, optimize=[(0, 1)])
+    t43 = t27.reshape((d_K**2, L*n_batch))
+    t44 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t45 = t41.reshape((d_K**2, L*n_batch))
+    t46 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t47 = torch.cat([t43, t45], dim=-1)
+    t48 = torch.cat([t44, t46], dim=-2)
+    t1[...] = ((t47 @ t48).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
-    t51 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t52 = ((t51.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t53 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t54 = ((t51.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t55 = ((t25 @ t24)).permute(2, 3, 0, 1)
+    t51 = (t39 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t52 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t53 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t54 = ((t25 @ t24)).permute(2, 3, 0, 1)
+    t55 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t56 = t50.diagonal(0, 1, 3)
     t57 = t37 @ X
     t58 = t3 @ t57
     t59 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
-    t61 = t58.sum((0,))
-    t62 = t52.reshape(*t52.shape[:2], -1)
-    t63 = t54.reshape(*t54.shape[:2], -1)
-    t64 = torch.cat([t62, t63], dim=-1)
-    t65 = t53.reshape(*t53.shape[:2], -1)
-    t66 = t55.reshape(*t55.shape[:2], -1)
-    t67 = torch.cat([t65, t66], dim=-1)
-    t50[...] = oe.contract('abg,efg->aefb', t64, t67, optimize=[(0, 1)])
-    t56 += oe.contract('a,bc->bca', t60, t61, optimize=[(0, 1)])
-    t68 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69 = t68.view((d_V, d_K, d_V, d_V))
-    t70 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t71 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t72 = (t71.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t73 = ((t72 @ t22)).permute(2, 3, 0, 1)
-    t74 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t75 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t61 = t51.reshape((d_K*d_V, L*n_batch))
+    t62 = t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t63 = t54.reshape((d_K*d_V, L*n_batch))
+    t64 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t65 = torch.cat([t61, t63], dim=-1)
+    t66 = torch.cat([t62, t64], dim=-2)
+    t50[...] = ((t65 @ t66).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t56 += (t58.sum((0,)).reshape((d_V**2, 1)) * t60.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = t67.view((d_V, d_K, d_V, d_V))
+    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t70 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t69.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t71 = (t70.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t72 = ((t71 @ t22)).permute(2, 3, 0, 1)
+    t73 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t75 = (t74 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t76 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t77 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t75.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t69[...] = oe.contract('abcd,efcd->eafb', t73, t74, optimize=[(0, 1)])
-    t69 += oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
-    t78 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t79 = t78.view((d_V, d_K, d_V, d_K))
-    t80 = W_Q.transpose(-1, -2)
-    t81 = (1/(d_K*n_batch)) * t80
-    t82 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t83 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t81.permute(1, 0)).reshape((n_batch, L, d_K))
-    t84 = ((t83.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t85 = (1/(L*d_K*n_batch)) * t80
-    t86 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t87 = (t22.permute(0, 1, 3, 2) @ t86.permute(1, 2, 0, 3))
-    t88 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t89 = (t88 @ t87)
-    t90 = ((t89.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t91 = (X.reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
-    t92 = ((t91.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t93 = t79.diagonal(0, 1, 3)
-    t94 = t58.transpose(-1, -2)
-    t95 = t94.sum((0,))
-    t96 = t82.reshape(*t82.shape[:2], -1)
-    t97 = t90.reshape(*t90.shape[:2], -1)
-    t98 = torch.cat([t96, t97], dim=-1)
-    t99 = t84.reshape(*t84.shape[:2], -1)
-    t100 = t92.reshape(*t92.shape[:2], -1)
-    t101 = torch.cat([t99, t100], dim=-1)
-    t79[...] = oe.contract('abg,efg->aefb', t98, t101, optimize=[(0, 1)])
-    t93 += oe.contract('a,bc->bca', t60, t95, optimize=[(0, 1)])
-    t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t103 = t102.view((d_V, d_K, d_V, d_K))
-    t104 = ((t51.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t91.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t105 = ((t88 @ t87)).permute(3, 2, 0, 1)
-    t106 = ((t51.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t83.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t107 = M_3.permute(2, 3, 0, 1)
-    t108 = t104.reshape(*t104.shape[:2], -1)
-    t109 = t106.reshape(*t106.shape[:2], -1)
-    t110 = torch.cat([t108, t109], dim=-1)
-    t111 = t105.reshape(*t105.shape[:2], -1)
-    t112 = t107.reshape(*t107.shape[:2], -1)
-    t113 = torch.cat([t111, t112], dim=-1)
-    t103[...] = oe.contract('abg,efg->eafb', t110, t113, optimize=[(0, 1)])
-    t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t115 = t114.view((d_V, d_K, d_V, d_V))
-    t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t80
-    t117 = ((t22.permute(0, 1, 3, 2) @ t86.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t118 = (X.reshape((L*n_batch, d_V)) @ t116.permute(1, 0)).reshape((n_batch, L, d_K))
-    t119 = ((t118.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t120 = (1/(math.sqrt(d_K)*n_batch)) * t80
-    t121 = (X.reshape((L*n_batch, d_V)) @ t120.permute(1, 0)).reshape((n_batch, L, d_K))
-    t122 = ((t121.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t123 = M_2.permute(3, 2, 0, 1)
-    t115[...] = oe.contract('abcd,efcd->aefb', t117, t119, optimize=[(0, 1)])
-    t115 += oe.contract('abcd,efcd->eafb', t122, t123, optimize=[(0, 1)])
-    t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t125 = t124.view((d_V, d_V, d_V, d_K))
-    t126 = G.transpose(-1, -2)
-    t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
-    t128 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t129 = ((X.reshape((n_batch, L, d_V, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t130 = M_1.transpose(-1, -2)
-    t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
-    t132 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t133 = (t132.permute(1, 2, 3, 0) @ M_2)
-    t134 = (t133.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t135 = ((t134.reshape((n_batch, L, d_V, d_K, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t136 = ((X.reshape((n_batch, L, d_V, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t125[...] = oe.contract('abcd,efcd->aefb', t128, t129, optimize=[(0, 1)])
-    t125 += oe.contract('abcd,efcd->eafb', t135, t136, optimize=[(0, 1)])
-    t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t138 = t137.view((d_V, d_V, d_V, d_K))
-    t139 = ((t51.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t140 = M_2.permute(2, 3, 0, 1)
-    t141 = ((t51.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t142 = ((t88 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t138[...] = oe.contract('abcd,efcd->eafb', t139, t140, optimize=[(0, 1)])
-    t138 += oe.contract('abcd,efcd->aefb', t141, t142, optimize=[(0, 1)])
-    t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t144 = t143.view((d_V, d_V, d_V, d_V))
-    t145 = (1/(L*n_batch)) * t130
-    t146 = ((dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t147 = ((M_1.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t144[...] = oe.contract('abcd,efcd->eafb', t146, t147, optimize=[(0, 1)])
+    t68[...] = ((t72.reshape((d_K*d_V, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t68 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t78 = t77.view((d_V, d_K, d_V, d_K))
+    t79 = W_Q.transpose(-1, -2)
+    t80 = (1/(d_K*n_batch)) * t79
+    t81 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t82 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_K))
+    t83 = ((t82.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t84 = (1/(L*d_K*n_batch)) * t79
+    t85 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t86 = (t22.permute(0, 1, 3, 2) @ t85.permute(1, 2, 0, 3))
+    t87 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t88 = (t87 @ t86)
+    t89 = ((t88.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t90 = (X.reshape((L*n_batch, d_V)) @ t84.permute(1, 0)).reshape((n_batch, L, d_K))
+    t91 = ((t90.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t92 = t78.diagonal(0, 1, 3)
+    t93 = t58.transpose(-1, -2)
+    t94 = t81.reshape((d_K*d_V, L*n_batch))
+    t95 = t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t96 = t89.reshape((d_K*d_V, L*n_batch))
+    t97 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t98 = torch.cat([t94, t96], dim=-1)
+    t99 = torch.cat([t95, t97], dim=-2)
+    t78[...] = ((t98 @ t99).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t92 += (t93.sum((0,)).reshape((d_V**2, 1)) * t60.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t101 = t100.view((d_V, d_K, d_V, d_K))
+    t102 = ((t87 @ t86)).permute(3, 2, 0, 1)
+    t103 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t90.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t104 = M_3.permute(2, 3, 0, 1)
+    t105 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t82.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t106 = t102.reshape((d_V**2, L*n_batch))
+    t107 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t108 = t104.reshape((d_V**2, L*n_batch))
+    t109 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t110 = torch.cat([t106, t108], dim=-1)
+    t111 = torch.cat([t107, t109], dim=-2)
+    t101[...] = ((t110 @ t111).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t112 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t113 = t112.view((d_V, d_K, d_V, d_V))
+    t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t115 = ((t22.permute(0, 1, 3, 2) @ t85.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t116 = (X.reshape((L*n_batch, d_V)) @ t114.permute(1, 0)).reshape((n_batch, L, d_K))
+    t117 = ((t116.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
+    t119 = M_2.permute(3, 2, 0, 1)
+    t120 = (X.reshape((L*n_batch, d_V)) @ t118.permute(1, 0)).reshape((n_batch, L, d_K))
+    t121 = ((t120.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t113[...] = ((t115.reshape((d_V**2, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t113 += ((t119.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t123 = t122.view((d_V, d_V, d_V, d_K))
+    t124 = G.transpose(-1, -2)
+    t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
+    t126 = ((X.reshape((n_batch, L, d_V, 1)) * t125.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t127 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t128 = M_1.transpose(-1, -2)
+    t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
+    t130 = ((X.reshape((n_batch, L, d_V, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t131 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t132 = (t131.permute(1, 2, 3, 0) @ M_2)
+    t133 = (t132.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t134 = ((t133.reshape((n_batch, L, d_V, d_K, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t123[...] = ((t126.reshape((d_V**2, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t123 += ((t130.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t136 = t135.view((d_V, d_V, d_V, d_K))
+    t137 = M_2.permute(2, 3, 0, 1)
+    t138 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t125.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t139 = ((t87 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t140 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t136[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t136 += ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t142 = t141.view((d_V, d_V, d_V, d_V))
+    t143 = (1/(L*n_batch)) * t128
+    t144 = ((dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t145 = ((M_1.reshape((n_batch, L, d_V, 1)) * t143.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t142[...] = ((t144.reshape((d_V**2, L*n_batch)) @ t145.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -12415,7 +12381,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -12425,7 +12391,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12458,7 +12424,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t44.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t44.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12638,7 +12604,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12651,17 +12617,17 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
-    t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
-    t23 = (t22 @ M_2)
-    t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t25 = (t24 @ t23)
-    t26 = (t25.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t27 = (X * X).permute(2, 0, 1)
+    t20 = (X * X).permute(2, 0, 1)
+    t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t22 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23 @ M_2)
+    t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t26 = (t25 @ t24)
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
     F = t13
     t28 = torch.exp(F - F.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
@@ -12674,16 +12640,16 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t38 = (1/(d_K*n_batch)) * t1
-    t39 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t38.reshape((d_K, 1, d_V)))
-    t40 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t39.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t41 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t40, t41, optimize=[(0, 1)])
+    t39 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t40 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t38.reshape((d_K, 1, d_V)))
+    t41 = (t40.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t20.reshape((d_V, L*n_batch)) @ t27.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t39.reshape((d_V, L*n_batch)) @ t41.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -12703,7 +12669,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12716,7 +12682,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -12738,7 +12704,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12765,7 +12731,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12778,7 +12744,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -12801,7 +12767,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12809,13 +12775,13 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t39 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t40 = ((t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t41 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t42 = t26.reshape(*t26.shape[:2], -1)
-    t43 = t40.reshape(*t40.shape[:2], -1)
-    t44 = torch.cat([t42, t43], dim=-1)
-    t45 = t27.reshape(*t27.shape[:2], -1)
-    t46 = t41.reshape(*t41.shape[:2], -1)
-    t47 = torch.cat([t45, t46], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t44, t47, optimize=[(0, 1)])
+    t42 = t26.reshape((d_K**2, L*n_batch))
+    t43 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t44 = t40.reshape((d_K**2, L*n_batch))
+    t45 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t46 = torch.cat([t42, t44], dim=-1)
+    t47 = torch.cat([t43, t45], dim=-2)
+    t0[...] = ((t46 @ t47).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -12835,7 +12801,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -12845,7 +12811,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12878,7 +12844,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t44.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t44.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12932,16 +12898,16 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
-    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t26 = ((t25.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t25 = (t24 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t28 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12949,29 +12915,28 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA32 = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t33 = (1/(L*d_K*n_batch)) * t1
-    t34 = ((t25.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t36 = (dA32.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t37 = (t36.reshape((L*d_V*n_batch, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
-    t38 = (t37 @ M_2)
-    t39 = (t35.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t40 = ((t39 @ t38)).permute(2, 3, 0, 1)
+    t34 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t35 = (dA32.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t36 = (t35.reshape((L*d_V*n_batch, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
+    t37 = (t36 @ M_2)
+    t38 = (t34.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t39 = ((t38 @ t37)).permute(2, 3, 0, 1)
+    t40 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t41 = t0.diagonal(0, 1, 3)
     t42 = t21 @ X
     t43 = t2 @ t42
     t44 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t45 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t46 = t43.sum((0,))
-    t47 = t26.reshape(*t26.shape[:2], -1)
-    t48 = t34.reshape(*t34.shape[:2], -1)
-    t49 = torch.cat([t47, t48], dim=-1)
-    t50 = t27.reshape(*t27.shape[:2], -1)
-    t51 = t40.reshape(*t40.shape[:2], -1)
-    t52 = torch.cat([t50, t51], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t49, t52, optimize=[(0, 1)])
-    t41 += oe.contract('a,bc->bca', t45, t46, optimize=[(0, 1)])
+    t46 = t25.reshape((d_K*d_V, L*n_batch))
+    t47 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t48 = t39.reshape((d_K*d_V, L*n_batch))
+    t49 = t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t50 = torch.cat([t46, t48], dim=-1)
+    t51 = torch.cat([t47, t49], dim=-2)
+    t0[...] = ((t50 @ t51).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t41 += (t43.sum((0,)).reshape((d_V**2, 1)) * t45.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13010,7 +12975,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -13018,7 +12983,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t30 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13026,7 +12991,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
     t35 = (X.reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t36 = (t35.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t37 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13091,7 +13056,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13104,7 +13069,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13119,10 +13084,10 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/L) * t27
     G = t28
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t30 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t31 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t30 = (t29 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t31 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t30.reshape((d_K*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -13142,7 +13107,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -13152,7 +13117,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13206,7 +13171,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13219,17 +13184,17 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = t22 * t21.permute(2, 0, 1)
-    t24 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t25 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
-    t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27.reshape((n_batch, L, d_V, 1, d_V)) @ t26.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t23.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t26 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = t27 * t26.permute(2, 0, 1)
     F = t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
@@ -13242,16 +13207,16 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
-    t40 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
-    t41 = t22 * t40.permute(2, 0, 1)
-    t42 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t28, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t41, t42, optimize=[(0, 1)])
+    t40 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t41 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
+    t42 = t27 * t41.permute(2, 0, 1)
+    t0[...] = (t25.reshape((d_V, L*n_batch)) @ t28.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t40.reshape((d_V, L*n_batch)) @ t42.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -13272,7 +13237,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13285,7 +13250,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -13307,7 +13272,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 - (A * t33).sum(-1, keepdim=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
     t36 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13353,7 +13318,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13362,7 +13327,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13370,7 +13335,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = (1/(L*d_K*n_batch)) * t1
     t35 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t36 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13386,15 +13351,14 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t46 = t2 @ t45
     t47 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t49 = t46.sum((0,))
-    t50 = t26.reshape(*t26.shape[:2], -1)
-    t51 = t40.reshape(*t40.shape[:2], -1)
-    t52 = torch.cat([t50, t51], dim=-1)
-    t53 = t28.reshape(*t28.shape[:2], -1)
-    t54 = t42.reshape(*t42.shape[:2], -1)
-    t55 = torch.cat([t53, t54], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t52, t55, optimize=[(0, 1)])
-    t43 += oe.contract('a,bc->bca', t48, t49, optimize=[(0, 1)])
+    t49 = t26.reshape((d_K*d_V, L*n_batch))
+    t50 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t51 = t40.reshape((d_K*d_V, L*n_batch))
+    t52 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t53 = torch.cat([t49, t51], dim=-1)
+    t54 = torch.cat([t50, t52], dim=-2)
+    t0[...] = ((t53 @ t54).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t43 += (t46.sum((0,)).reshape((d_V**2, 1)) * t48.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13435,7 +13399,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -13443,7 +13407,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13451,7 +13415,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = (X.reshape((L*n_batch, d_V)) @ t23.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t38 = (t37.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t39 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13517,7 +13481,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13530,17 +13494,17 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
-    t21 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t21.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t24 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t25 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
-    t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27 @ t26)).permute(3, 2, 0, 1)
+    t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = ((t24 @ t23)).permute(3, 2, 0, 1)
+    t26 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t26.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     F = t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
@@ -13553,21 +13517,21 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
-    t40 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
-    t41 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t40.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t42 = M_3.permute(2, 3, 0, 1)
-    t43 = t23.reshape(*t23.shape[:2], -1)
-    t44 = t41.reshape(*t41.shape[:2], -1)
-    t45 = torch.cat([t43, t44], dim=-1)
-    t46 = t28.reshape(*t28.shape[:2], -1)
-    t47 = t42.reshape(*t42.shape[:2], -1)
-    t48 = torch.cat([t46, t47], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t45, t48, optimize=[(0, 1)])
+    t40 = M_3.permute(2, 3, 0, 1)
+    t41 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
+    t42 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t41.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t43 = t25.reshape((d_V**2, L*n_batch))
+    t44 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t45 = t40.reshape((d_V**2, L*n_batch))
+    t46 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t47 = torch.cat([t43, t45], dim=-1)
+    t48 = torch.cat([t44, t46], dim=-2)
+    t0[...] = ((t47 @ t48).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -13588,7 +13552,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -13598,7 +13562,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -13631,7 +13595,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t47.reshape((L*n_batch, d_K)) @ t19.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13669,7 +13633,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13682,7 +13646,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13697,11 +13661,11 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/L) * t28
     G = t29
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t31 = (X.reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
-    t32 = ((t31.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t33 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t24, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t31 = M_2.permute(3, 2, 0, 1)
+    t32 = (X.reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
+    t33 = ((t32.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t31.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -13722,7 +13686,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -13732,7 +13696,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13795,11 +13759,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
-    t18 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t17 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
+    t18 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t18.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -13827,7 +13791,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -13864,28 +13828,28 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t23 = M_1.transpose(-1, -2)
     t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA27 = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t28 = W_V.transpose(-1, -2)
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t30 = (t28.permute(1, 0) @ dA27.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t31 = (t30.permute(1, 2, 3, 0) @ M_2)
-    t32 = (t31.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t33 = ((t32.reshape((n_batch, L, d_V, d_K, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t34 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31 = (t28.permute(1, 0) @ dA27.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t32 = (t31.permute(1, 2, 3, 0) @ M_2)
+    t33 = (t32.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t34 = ((t33.reshape((n_batch, L, d_V, d_K, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -13918,7 +13882,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13933,7 +13897,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
     t32 = W_V.transpose(-1, -2)
     t33 = (dA31.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13984,28 +13948,28 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = M_2.permute(2, 3, 0, 1)
+    t21 = M_2.permute(2, 3, 0, 1)
+    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t24 = M_1.transpose(-1, -2)
     t25 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
     t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
     t29 = W_V.transpose(-1, -2)
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t31 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t32 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t33 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t34 = ((t33 @ t32.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t34, optimize=[(0, 1)])
+    t31 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t32 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t33 = ((t32 @ t31.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t34 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t0 += ((t33.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -14038,7 +14002,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14053,7 +14017,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
     t32 = W_V.transpose(-1, -2)
     t33 = (dA31.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14099,11 +14063,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -14131,7 +14095,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14158,7 +14122,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14168,7 +14132,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14202,7 +14166,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t20 * t47
@@ -14241,7 +14205,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14251,7 +14215,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14287,7 +14251,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t46 = t45 @ X
     t47 = t1 @ t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t47.sum((0,))).reshape((n_batch, L, d_V))
     t49 = (t48 @ X.permute(0, 2, 1))
     t50 = (t49.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -14341,7 +14305,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14351,7 +14315,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -14408,7 +14372,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14418,7 +14382,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14455,7 +14419,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
     t52 = (t51.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -14509,7 +14473,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14519,7 +14483,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14553,7 +14517,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = (t47.reshape((L*n_batch, d_K)) @ t47.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14593,7 +14557,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14603,7 +14567,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -14669,11 +14633,11 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -14738,11 +14702,11 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -14807,7 +14771,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14913,7 +14877,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -14926,7 +14890,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -14937,13 +14901,13 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t28 = (t27 @ t26)
     t29 = ((t28.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t1[...] = ((t29.reshape((d_K**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t34 = ((t33.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35 = ((t27 @ t26)).permute(2, 3, 0, 1)
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t33 = ((t27 @ t26)).permute(2, 3, 0, 1)
+    t34 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t35 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32[...] = ((t33.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
     t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
@@ -14951,7 +14915,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = (t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t41 = ((t40 @ t24)).permute(2, 3, 0, 1)
     t42 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37[...] = oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t37[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
     t45 = W_Q.transpose(-1, -2)
@@ -14963,40 +14927,40 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t51 = ((t50.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t52 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
     t53 = ((t52.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t44[...] = oe.contract('abcd,efcd->aefb', t51, t53, optimize=[(0, 1)])
+    t44[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
-    t56 = ((t33.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t52.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t57 = ((t49 @ t48)).permute(3, 2, 0, 1)
-    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t56 = ((t49 @ t48)).permute(3, 2, 0, 1)
+    t57 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t52.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t55[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = t58.view((d_V, d_K, d_V, d_V))
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t45
     t61 = ((t24.permute(0, 1, 3, 2) @ t47.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
     t63 = ((t62.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t59[...] = oe.contract('abcd,efcd->aefb', t61, t63, optimize=[(0, 1)])
+    t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = t64.view((d_V, d_V, d_V, d_K))
     t66 = M_1.transpose(-1, -2)
     t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
-    t68 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t69 = (t68.permute(1, 2, 3, 0) @ M_2)
-    t70 = (t69.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t71 = ((t70.reshape((n_batch, L, d_V, d_K, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t72 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t65[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
+    t68 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t69 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t70 = (t69.permute(1, 2, 3, 0) @ M_2)
+    t71 = (t70.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t72 = ((t71.reshape((n_batch, L, d_V, d_K, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t74 = t73.view((d_V, d_V, d_V, d_K))
-    t75 = ((t33.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t76 = ((t49 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t74[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t75 = ((t49 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t76 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t74[...] = ((t75.reshape((d_V**2, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t78 = t77.view((d_V, d_V, d_V, d_V))
     t79 = (1/(L*n_batch)) * t66
     t80 = ((dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t81 = ((M_1.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t78[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t78[...] = ((t80.reshape((d_V**2, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -15074,7 +15038,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15084,7 +15048,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15183,7 +15147,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15196,18 +15160,18 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ M_2)
-    t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t27 = (t26 @ t25)
-    t28 = (t27.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t29 = (X * X).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t22 = (X * X).permute(2, 0, 1)
+    t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t24 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
+    t26 = (t25 @ M_2)
+    t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t28 = (t27 @ t26)
+    t29 = (t28.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t22.reshape((d_V, L*n_batch)) @ t29.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -15229,7 +15193,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15242,7 +15206,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15275,7 +15239,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15288,7 +15252,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -15299,7 +15263,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t27 = (t26 @ t25)
     t28 = ((t27.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t0[...] = ((t28.reshape((d_K**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -15321,7 +15285,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15331,7 +15295,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15377,7 +15341,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15390,18 +15354,18 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t25 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
-    t27 = (t26 @ M_2)
-    t28 = (t24.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t29 = ((t28 @ t27)).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t29, optimize=[(0, 1)])
+    t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24 @ M_2)
+    t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t27 = ((t26 @ t25)).permute(2, 3, 0, 1)
+    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -15423,7 +15387,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15433,7 +15397,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15479,7 +15443,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15492,14 +15456,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t23 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).permute(2, 3, 0, 1)
     t25 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -15521,7 +15485,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15531,7 +15495,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15569,7 +15533,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15582,18 +15546,18 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = t24 * t23.permute(2, 0, 1)
-    t26 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t27 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t28 = (t27.permute(0, 1, 3, 2) @ t26.permute(1, 2, 0, 3))
-    t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t30 = ((t29.reshape((n_batch, L, d_V, 1, d_V)) @ t28.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t25, t30, optimize=[(0, 1)])
+    t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
+    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t25.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t28 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t30 = t29 * t28.permute(2, 0, 1)
+    t0[...] = (t27.reshape((d_V, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -15616,7 +15580,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15629,7 +15593,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15663,7 +15627,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15676,7 +15640,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -15687,7 +15651,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t28 = ((t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t29 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t28, t30, optimize=[(0, 1)])
+    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -15710,7 +15674,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15720,7 +15684,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15767,7 +15731,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15780,18 +15744,18 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t26 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t27 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t28 = (t27.permute(0, 1, 3, 2) @ t26.permute(1, 2, 0, 3))
-    t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t30 = ((t29 @ t28)).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t25, t30, optimize=[(0, 1)])
+    t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
+    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t27 = ((t26 @ t25)).permute(3, 2, 0, 1)
+    t28 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -15814,7 +15778,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15824,7 +15788,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15871,7 +15835,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15884,14 +15848,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = ((t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t25 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t26, optimize=[(0, 1)])
+    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -15914,7 +15878,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15924,7 +15888,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15969,11 +15933,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
-    t20 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
+    t20 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
+    t0[...] = (t19.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -16003,7 +15967,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -16037,21 +16001,21 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA20.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = (t18.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (t23.permute(1, 2, 3, 0) @ M_2)
-    t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t26 = ((t25.reshape((n_batch, L, d_V, d_K, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (t18.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t25 = (t24.permute(1, 2, 3, 0) @ M_2)
+    t26 = (t25.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t27 = ((t26.reshape((n_batch, L, d_V, d_K, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -16081,11 +16045,11 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -16130,21 +16094,21 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA20.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t27 = ((t26 @ t25.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t27, optimize=[(0, 1)])
+    t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = ((t24 @ t23.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -16174,11 +16138,11 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -16223,11 +16187,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -16257,7 +16221,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16306,7 +16270,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16314,69 +16278,67 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t1[...] = ((t29.reshape((d_K**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t34 = ((t33.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t33 = (t27 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t34 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t35 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t36 = t32.diagonal(0, 1, 3)
     t37 = t24 @ X
     t38 = t3 @ t37
     t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t41 = t38.sum((0,))
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 += oe.contract('a,bc->bca', t40, t41, optimize=[(0, 1)])
-    t42 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = t42.view((d_V, d_K, d_V, d_V))
+    t32[...] = ((t33.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t36 += (t38.sum((0,)).reshape((d_V**2, 1)) * t40.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
-    t44 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    t43 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t44.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    M_2 = (t43.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t45 = (t44 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t46 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t47 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t45.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t43[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t49 = t48.view((d_V, d_K, d_V, d_K))
-    t50 = W_Q.transpose(-1, -2)
-    t51 = (1/(d_K*n_batch)) * t50
-    t52 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t53 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.permute(1, 0)).reshape((n_batch, L, d_K))
-    t54 = ((t53.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t55 = t49.diagonal(0, 1, 3)
-    t56 = t38.transpose(-1, -2)
-    t57 = t56.sum((0,))
-    t49[...] = oe.contract('abcd,efcd->aefb', t52, t54, optimize=[(0, 1)])
-    t55 += oe.contract('a,bc->bca', t40, t57, optimize=[(0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = t58.view((d_V, d_K, d_V, d_K))
-    t60 = ((t33.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t53.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t61 = M_3.permute(2, 3, 0, 1)
-    t59[...] = oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = t62.view((d_V, d_K, d_V, d_V))
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t65 = (X.reshape((L*n_batch, d_V)) @ t64.permute(1, 0)).reshape((n_batch, L, d_K))
-    t66 = ((t65.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t67 = M_2.permute(3, 2, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t69 = t68.view((d_V, d_V, d_V, d_K))
-    t70 = G.transpose(-1, -2)
-    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t72 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t73 = ((X.reshape((n_batch, L, d_V, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t69[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t75 = t74.view((d_V, d_V, d_V, d_K))
-    t76 = ((t33.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t77 = M_2.permute(2, 3, 0, 1)
-    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78[...] = 0
+    t42[...] = ((t45.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = W_Q.transpose(-1, -2)
+    t50 = (1/(d_K*n_batch)) * t49
+    t51 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t52 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t50.permute(1, 0)).reshape((n_batch, L, d_K))
+    t53 = ((t52.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t54 = t48.diagonal(0, 1, 3)
+    t55 = t38.transpose(-1, -2)
+    t48[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t54 += (t55.sum((0,)).reshape((d_V**2, 1)) * t40.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_K))
+    t58 = M_3.permute(2, 3, 0, 1)
+    t59 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t52.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t57[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61 = t60.view((d_V, d_K, d_V, d_V))
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t63 = M_2.permute(3, 2, 0, 1)
+    t64 = (X.reshape((L*n_batch, d_V)) @ t62.permute(1, 0)).reshape((n_batch, L, d_K))
+    t65 = ((t64.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t61[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t67 = t66.view((d_V, d_V, d_V, d_K))
+    t68 = G.transpose(-1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t71 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t73 = t72.view((d_V, d_V, d_V, d_K))
+    t74 = M_2.permute(2, 3, 0, 1)
+    t75 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t73[...] = ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t76[...] = 0
     return H
 
 
@@ -16483,7 +16445,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16511,7 +16473,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t48 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t42 * t40).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t50 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t52 = t51 * t27
@@ -16597,15 +16559,15 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
-    t27 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t26.reshape((d_K, 1, d_V)))
-    t28 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t27.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t29 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t27 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t28 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t26.reshape((d_K, 1, d_V)))
+    t29 = (t28.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t27.reshape((d_V, L*n_batch)) @ t29.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -16644,7 +16606,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16691,7 +16653,7 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16699,7 +16661,7 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t28 = ((t27.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t0[...] = ((t28.reshape((d_K**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -16738,7 +16700,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16791,22 +16753,21 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
-    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t27 = (t26 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t30 = t0.diagonal(0, 1, 3)
     t31 = t23 @ X
     t32 = t2 @ t31
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = t32.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
-    t30 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
+    t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t30 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -16847,7 +16808,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -16887,7 +16848,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16904,9 +16865,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t20 = (1/L) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t22 = (t21 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t23 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -16928,7 +16889,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -16993,16 +16954,16 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
-    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t30 = t29 * t28.permute(2, 0, 1)
-    t31 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    t28 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
+    t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t31 = t30 * t29.permute(2, 0, 1)
+    t0[...] = (t28.reshape((d_V, L*n_batch)) @ t31.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -17042,7 +17003,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17090,7 +17051,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17104,9 +17065,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t34 = t2 @ t33
     t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = t34.sum((0,))
-    t0[...] = oe.contract('abcd,efcd->aefb', t28, t30, optimize=[(0, 1)])
-    t31 += oe.contract('a,bc->bca', t36, t37, optimize=[(0, 1)])
+    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t31 += (t34.sum((0,)).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -17149,7 +17109,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t26 = W_Q.transpose(-1, -2)
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t27.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
     t30 = (t29.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -17207,16 +17167,16 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
-    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t31 = M_3.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t28 = M_3.permute(2, 3, 0, 1)
+    t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
+    t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t31 = ((t30.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -17256,7 +17216,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17293,7 +17253,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17310,10 +17270,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t21 = (1/L) * t20
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t25 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t23 = M_2.permute(3, 2, 0, 1)
+    t24 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -17336,7 +17296,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -17416,14 +17376,14 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -17458,7 +17418,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17506,15 +17466,15 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = M_2.permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t23 = M_2.permute(2, 3, 0, 1)
+    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -17549,7 +17509,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17605,7 +17565,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17618,7 +17578,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -17641,7 +17601,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17649,126 +17609,124 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t42 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t43 = ((t42.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t44 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t45 = t29.reshape(*t29.shape[:2], -1)
-    t46 = t43.reshape(*t43.shape[:2], -1)
-    t47 = torch.cat([t45, t46], dim=-1)
-    t48 = t30.reshape(*t30.shape[:2], -1)
-    t49 = t44.reshape(*t44.shape[:2], -1)
-    t50 = torch.cat([t48, t49], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t47, t50, optimize=[(0, 1)])
+    t45 = t29.reshape((d_K**2, L*n_batch))
+    t46 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t47 = t43.reshape((d_K**2, L*n_batch))
+    t48 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t49 = torch.cat([t45, t47], dim=-1)
+    t50 = torch.cat([t46, t48], dim=-2)
+    t1[...] = ((t49 @ t50).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t54 = ((t53.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t55 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t56 = ((t53.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t57 = ((t27 @ t26)).permute(2, 3, 0, 1)
+    t53 = (t41 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t54 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t55 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t56 = ((t27 @ t26)).permute(2, 3, 0, 1)
+    t57 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t58 = t52.diagonal(0, 1, 3)
     t59 = t39 @ X
     t60 = t3 @ t59
     t61 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = t60.sum((0,))
-    t64 = t54.reshape(*t54.shape[:2], -1)
-    t65 = t56.reshape(*t56.shape[:2], -1)
-    t66 = torch.cat([t64, t65], dim=-1)
-    t67 = t55.reshape(*t55.shape[:2], -1)
-    t68 = t57.reshape(*t57.shape[:2], -1)
-    t69 = torch.cat([t67, t68], dim=-1)
-    t52[...] = oe.contract('abg,efg->aefb', t66, t69, optimize=[(0, 1)])
-    t58 += oe.contract('a,bc->bca', t62, t63, optimize=[(0, 1)])
-    t70 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71 = t70.view((d_V, d_K, d_V, d_V))
-    t72 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t73 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t72.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t74 = (t73.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t75 = ((t74 @ t24)).permute(2, 3, 0, 1)
-    t76 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t77 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t63 = t53.reshape((d_K*d_V, L*n_batch))
+    t64 = t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t65 = t56.reshape((d_K*d_V, L*n_batch))
+    t66 = t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t67 = torch.cat([t63, t65], dim=-1)
+    t68 = torch.cat([t64, t66], dim=-2)
+    t52[...] = ((t67 @ t68).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t58 += (t60.sum((0,)).reshape((d_V**2, 1)) * t62.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70 = t69.view((d_V, d_K, d_V, d_V))
+    t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t72 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t73 = (t72.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t74 = ((t73 @ t24)).permute(2, 3, 0, 1)
+    t75 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t77 = (t76 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t78 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t79 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t77.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t71[...] = oe.contract('abcd,efcd->eafb', t75, t76, optimize=[(0, 1)])
-    t71 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
-    t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t81 = t80.view((d_V, d_K, d_V, d_K))
-    t82 = W_Q.transpose(-1, -2)
-    t83 = (1/(d_K*n_batch)) * t82
-    t84 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t85 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
-    t86 = ((t85.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t87 = (1/(L*d_K*n_batch)) * t82
-    t88 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t89 = (t24.permute(0, 1, 3, 2) @ t88.permute(1, 2, 0, 3))
-    t90 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t91 = (t90 @ t89)
-    t92 = ((t91.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t93 = (X.reshape((L*n_batch, d_V)) @ t87.permute(1, 0)).reshape((n_batch, L, d_K))
-    t94 = ((t93.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t95 = t81.diagonal(0, 1, 3)
-    t96 = t60.transpose(-1, -2)
-    t97 = t96.sum((0,))
-    t98 = t84.reshape(*t84.shape[:2], -1)
-    t99 = t92.reshape(*t92.shape[:2], -1)
-    t100 = torch.cat([t98, t99], dim=-1)
-    t101 = t86.reshape(*t86.shape[:2], -1)
-    t102 = t94.reshape(*t94.shape[:2], -1)
-    t103 = torch.cat([t101, t102], dim=-1)
-    t81[...] = oe.contract('abg,efg->aefb', t100, t103, optimize=[(0, 1)])
-    t95 += oe.contract('a,bc->bca', t62, t97, optimize=[(0, 1)])
-    t104 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t105 = t104.view((d_V, d_K, d_V, d_K))
-    t106 = ((t53.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t93.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t107 = ((t90 @ t89)).permute(3, 2, 0, 1)
-    t108 = ((t53.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t85.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t109 = M_3.permute(2, 3, 0, 1)
-    t110 = t106.reshape(*t106.shape[:2], -1)
-    t111 = t108.reshape(*t108.shape[:2], -1)
-    t112 = torch.cat([t110, t111], dim=-1)
-    t113 = t107.reshape(*t107.shape[:2], -1)
-    t114 = t109.reshape(*t109.shape[:2], -1)
-    t115 = torch.cat([t113, t114], dim=-1)
-    t105[...] = oe.contract('abg,efg->eafb', t112, t115, optimize=[(0, 1)])
-    t116 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t117 = t116.view((d_V, d_K, d_V, d_V))
-    t118 = (1/(L*math.sqrt(d_K)*n_batch)) * t82
-    t119 = ((t24.permute(0, 1, 3, 2) @ t88.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t120 = (X.reshape((L*n_batch, d_V)) @ t118.permute(1, 0)).reshape((n_batch, L, d_K))
-    t121 = ((t120.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t122 = (1/(math.sqrt(d_K)*n_batch)) * t82
-    t123 = (X.reshape((L*n_batch, d_V)) @ t122.permute(1, 0)).reshape((n_batch, L, d_K))
-    t124 = ((t123.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t125 = M_2.permute(3, 2, 0, 1)
-    t117[...] = oe.contract('abcd,efcd->aefb', t119, t121, optimize=[(0, 1)])
-    t117 += oe.contract('abcd,efcd->eafb', t124, t125, optimize=[(0, 1)])
-    t126 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t127 = t126.view((d_V, d_V, d_V, d_K))
-    t128 = G.transpose(-1, -2)
-    t129 = (1/(math.sqrt(d_K)*n_batch)) * t128
-    t130 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t131 = ((X.reshape((n_batch, L, d_V, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t132 = M_1.transpose(-1, -2)
-    t133 = (1/(L*math.sqrt(d_K)*n_batch)) * t132
-    t134 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t135 = (t134.permute(1, 2, 3, 0) @ M_2)
-    t136 = (t135.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t137 = ((t136.reshape((n_batch, L, d_V, d_K, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t138 = ((X.reshape((n_batch, L, d_V, 1)) * t133.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t127[...] = oe.contract('abcd,efcd->aefb', t130, t131, optimize=[(0, 1)])
-    t127 += oe.contract('abcd,efcd->eafb', t137, t138, optimize=[(0, 1)])
-    t139 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t140 = t139.view((d_V, d_V, d_V, d_K))
-    t141 = ((t53.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t142 = M_2.permute(2, 3, 0, 1)
-    t143 = ((t53.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t133.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t144 = ((t90 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t140[...] = oe.contract('abcd,efcd->eafb', t141, t142, optimize=[(0, 1)])
-    t140 += oe.contract('abcd,efcd->aefb', t143, t144, optimize=[(0, 1)])
-    t145 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t146 = t145.view((d_V, d_V, d_V, d_V))
-    t147 = (1/(L*n_batch)) * t132
-    t148 = ((dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t149 = ((M_1.reshape((n_batch, L, d_V, 1)) * t147.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t146[...] = oe.contract('abcd,efcd->eafb', t148, t149, optimize=[(0, 1)])
+    t70[...] = ((t74.reshape((d_K*d_V, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t70 += ((t77.reshape((d_K*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t80 = t79.view((d_V, d_K, d_V, d_K))
+    t81 = W_Q.transpose(-1, -2)
+    t82 = (1/(d_K*n_batch)) * t81
+    t83 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t84 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t82.permute(1, 0)).reshape((n_batch, L, d_K))
+    t85 = ((t84.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t86 = (1/(L*d_K*n_batch)) * t81
+    t87 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t88 = (t24.permute(0, 1, 3, 2) @ t87.permute(1, 2, 0, 3))
+    t89 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t90 = (t89 @ t88)
+    t91 = ((t90.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t92 = (X.reshape((L*n_batch, d_V)) @ t86.permute(1, 0)).reshape((n_batch, L, d_K))
+    t93 = ((t92.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t94 = t80.diagonal(0, 1, 3)
+    t95 = t60.transpose(-1, -2)
+    t96 = t83.reshape((d_K*d_V, L*n_batch))
+    t97 = t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t98 = t91.reshape((d_K*d_V, L*n_batch))
+    t99 = t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t100 = torch.cat([t96, t98], dim=-1)
+    t101 = torch.cat([t97, t99], dim=-2)
+    t80[...] = ((t100 @ t101).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t94 += (t95.sum((0,)).reshape((d_V**2, 1)) * t62.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t103 = t102.view((d_V, d_K, d_V, d_K))
+    t104 = ((t89 @ t88)).permute(3, 2, 0, 1)
+    t105 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t92.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t106 = M_3.permute(2, 3, 0, 1)
+    t107 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t84.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t108 = t104.reshape((d_V**2, L*n_batch))
+    t109 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t110 = t106.reshape((d_V**2, L*n_batch))
+    t111 = t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t112 = torch.cat([t108, t110], dim=-1)
+    t113 = torch.cat([t109, t111], dim=-2)
+    t103[...] = ((t112 @ t113).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t114 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t115 = t114.view((d_V, d_K, d_V, d_V))
+    t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
+    t117 = ((t24.permute(0, 1, 3, 2) @ t87.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t118 = (X.reshape((L*n_batch, d_V)) @ t116.permute(1, 0)).reshape((n_batch, L, d_K))
+    t119 = ((t118.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
+    t121 = M_2.permute(3, 2, 0, 1)
+    t122 = (X.reshape((L*n_batch, d_V)) @ t120.permute(1, 0)).reshape((n_batch, L, d_K))
+    t123 = ((t122.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t115[...] = ((t117.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t115 += ((t121.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t125 = t124.view((d_V, d_V, d_V, d_K))
+    t126 = G.transpose(-1, -2)
+    t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
+    t128 = ((X.reshape((n_batch, L, d_V, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t129 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t130 = M_1.transpose(-1, -2)
+    t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
+    t132 = ((X.reshape((n_batch, L, d_V, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t133 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t134 = (t133.permute(1, 2, 3, 0) @ M_2)
+    t135 = (t134.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t136 = ((t135.reshape((n_batch, L, d_V, d_K, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t125[...] = ((t128.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t125 += ((t132.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t138 = t137.view((d_V, d_V, d_V, d_K))
+    t139 = M_2.permute(2, 3, 0, 1)
+    t140 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t141 = ((t89 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t142 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t138[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t138 += ((t141.reshape((d_V**2, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t144 = t143.view((d_V, d_V, d_V, d_V))
+    t145 = (1/(L*n_batch)) * t130
+    t146 = ((dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t147 = ((M_1.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t144[...] = ((t146.reshape((d_V**2, L*n_batch)) @ t147.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -17870,7 +17828,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -17880,7 +17838,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -17913,7 +17871,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18095,7 +18053,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18108,17 +18066,17 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
-    t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ M_2)
-    t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t27 = (t26 @ t25)
-    t28 = (t27.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
-    t29 = (X * X).permute(2, 0, 1)
+    t22 = (X * X).permute(2, 0, 1)
+    t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t24 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
+    t26 = (t25 @ M_2)
+    t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t28 = (t27 @ t26)
+    t29 = (t28.permute(2, 0, 1, 3).reshape((d_K, L*n_batch, d_V)) @ W_K.permute(1, 0).reshape((d_K, d_V, 1))).reshape((d_K, n_batch, L))
     F = t15
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
     A31 = t30 / t30.sum(-1, keepdim=True)
@@ -18131,16 +18089,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t1
-    t41 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t40.reshape((d_K, 1, d_V)))
-    t42 = ((M_3.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2)) @ t41.permute(1, 2, 0).reshape((d_V**2, d_K))).reshape((n_batch, L, d_K))).permute(2, 0, 1)
-    t43 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t42, t43, optimize=[(0, 1)])
+    t41 = (X * t2.permute(0, 2, 1)).permute(2, 0, 1)
+    t42 = (W_K.permute(1, 0).reshape((d_K, d_V, 1)) * t40.reshape((d_K, 1, d_V)))
+    t43 = (t42.reshape((d_K, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_K, n_batch, L))
+    t0[...] = (t22.reshape((d_V, L*n_batch)) @ t29.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t41.reshape((d_V, L*n_batch)) @ t43.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -18162,7 +18120,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18175,7 +18133,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18197,7 +18155,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18226,7 +18184,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18239,7 +18197,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -18262,7 +18220,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18270,13 +18228,13 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t41 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t42 = ((t41.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t43 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t44 = t28.reshape(*t28.shape[:2], -1)
-    t45 = t42.reshape(*t42.shape[:2], -1)
-    t46 = torch.cat([t44, t45], dim=-1)
-    t47 = t29.reshape(*t29.shape[:2], -1)
-    t48 = t43.reshape(*t43.shape[:2], -1)
-    t49 = torch.cat([t47, t48], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t46, t49, optimize=[(0, 1)])
+    t44 = t28.reshape((d_K**2, L*n_batch))
+    t45 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t46 = t42.reshape((d_K**2, L*n_batch))
+    t47 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t48 = torch.cat([t44, t46], dim=-1)
+    t49 = torch.cat([t45, t47], dim=-2)
+    t0[...] = ((t48 @ t49).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -18298,7 +18256,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -18308,7 +18266,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18341,7 +18299,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18397,16 +18355,16 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
-    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29 = ((M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t27 = (t26 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t24.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t24.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t30 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18414,29 +18372,28 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
     t35 = (1/(L*d_K*n_batch)) * t1
-    t36 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t38 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t39 = (t38.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
-    t40 = (t39 @ M_2)
-    t41 = (t37.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
-    t42 = ((t41 @ t40)).permute(2, 3, 0, 1)
+    t36 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t37 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t38 = (t37.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
+    t39 = (t38 @ M_2)
+    t40 = (t36.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
+    t41 = ((t40 @ t39)).permute(2, 3, 0, 1)
+    t42 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t43 = t0.diagonal(0, 1, 3)
     t44 = t23 @ X
     t45 = t2 @ t44
     t46 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t47 = (1/(math.sqrt(d_K)*n_batch)) * t46
-    t48 = t45.sum((0,))
-    t49 = t28.reshape(*t28.shape[:2], -1)
-    t50 = t36.reshape(*t36.shape[:2], -1)
-    t51 = torch.cat([t49, t50], dim=-1)
-    t52 = t29.reshape(*t29.shape[:2], -1)
-    t53 = t42.reshape(*t42.shape[:2], -1)
-    t54 = torch.cat([t52, t53], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t51, t54, optimize=[(0, 1)])
-    t43 += oe.contract('a,bc->bca', t47, t48, optimize=[(0, 1)])
+    t48 = t27.reshape((d_K*d_V, L*n_batch))
+    t49 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t50 = t41.reshape((d_K*d_V, L*n_batch))
+    t51 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t52 = torch.cat([t48, t50], dim=-1)
+    t53 = torch.cat([t49, t51], dim=-2)
+    t0[...] = ((t52 @ t53).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t43 += (t45.sum((0,)).reshape((d_V**2, 1)) * t47.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -18477,7 +18434,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -18485,7 +18442,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18493,7 +18450,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = (X.reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t38 = (t37.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t39 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18560,7 +18517,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18573,7 +18530,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18588,10 +18545,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/L) * t29
     G = t30
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t32 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33 = ((M_2.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t32 = (t31 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t33 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t32.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -18613,7 +18570,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -18623,7 +18580,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18679,7 +18636,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18692,17 +18649,17 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = t24 * t23.permute(2, 0, 1)
-    t26 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t27 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t28 = (t27.permute(0, 1, 3, 2) @ t26.permute(1, 2, 0, 3))
-    t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t30 = ((t29.reshape((n_batch, L, d_V, 1, d_V)) @ t28.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
+    t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
+    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t25.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t28 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t30 = t29 * t28.permute(2, 0, 1)
     F = t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
     A32 = t31 / t31.sum(-1, keepdim=True)
@@ -18715,16 +18672,16 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
-    t42 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
-    t43 = t24 * t42.permute(2, 0, 1)
-    t44 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t25, t30, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t43, t44, optimize=[(0, 1)])
+    t42 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
+    t43 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
+    t44 = t29 * t43.permute(2, 0, 1)
+    t0[...] = (t27.reshape((d_V, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K)))
+    t0 += (t42.reshape((d_V, L*n_batch)) @ t44.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -18747,7 +18704,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18760,7 +18717,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18782,7 +18739,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18830,7 +18787,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18839,7 +18796,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
     t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t31 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18847,7 +18804,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A33 = t32 / t32.sum(-1, keepdim=True)
     t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = ((t34.reshape((d_V, d_V, 1)) * A33.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA35 = ((t34.reshape((d_V, d_V, 1)) * A33.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
     t36 = (1/(L*d_K*n_batch)) * t1
     t37 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t38 = (dA35.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18863,15 +18820,14 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t48 = t2 @ t47
     t49 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t51 = t48.sum((0,))
-    t52 = t28.reshape(*t28.shape[:2], -1)
-    t53 = t42.reshape(*t42.shape[:2], -1)
-    t54 = torch.cat([t52, t53], dim=-1)
-    t55 = t30.reshape(*t30.shape[:2], -1)
-    t56 = t44.reshape(*t44.shape[:2], -1)
-    t57 = torch.cat([t55, t56], dim=-1)
-    t0[...] = oe.contract('abg,efg->aefb', t54, t57, optimize=[(0, 1)])
-    t45 += oe.contract('a,bc->bca', t50, t51, optimize=[(0, 1)])
+    t51 = t28.reshape((d_K*d_V, L*n_batch))
+    t52 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t53 = t42.reshape((d_K*d_V, L*n_batch))
+    t54 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t55 = torch.cat([t51, t53], dim=-1)
+    t56 = torch.cat([t52, t54], dim=-2)
+    t0[...] = ((t55 @ t56).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t45 += (t48.sum((0,)).reshape((d_V**2, 1)) * t50.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -18914,7 +18870,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = W_Q.transpose(-1, -2)
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t27.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
     t30 = (t29.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -18922,7 +18878,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t33 = (t32.permute(1, 2, 0) @ t31.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t27.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t27.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t34 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18930,7 +18886,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A36 = t35 / t35.sum(-1, keepdim=True)
     t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = ((t37.reshape((d_V, d_V, 1)) * A36.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA38 = ((t37.reshape((d_V, d_V, 1)) * A36.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
     t39 = (X.reshape((L*n_batch, d_V)) @ t25.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t40 = (t39.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t41 = (dA38.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18998,7 +18954,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19011,17 +18967,17 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
-    t23 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t26 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t27 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t28 = (t27.permute(0, 1, 3, 2) @ t26.permute(1, 2, 0, 3))
-    t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t30 = ((t29 @ t28)).permute(3, 2, 0, 1)
+    t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
+    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t27 = ((t26 @ t25)).permute(3, 2, 0, 1)
+    t28 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     F = t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
     A32 = t31 / t31.sum(-1, keepdim=True)
@@ -19034,21 +18990,21 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
-    t42 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
-    t43 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t42.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t44 = M_3.permute(2, 3, 0, 1)
-    t45 = t25.reshape(*t25.shape[:2], -1)
-    t46 = t43.reshape(*t43.shape[:2], -1)
-    t47 = torch.cat([t45, t46], dim=-1)
-    t48 = t30.reshape(*t30.shape[:2], -1)
-    t49 = t44.reshape(*t44.shape[:2], -1)
-    t50 = torch.cat([t48, t49], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t47, t50, optimize=[(0, 1)])
+    t42 = M_3.permute(2, 3, 0, 1)
+    t43 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
+    t44 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t43.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t45 = t27.reshape((d_V**2, L*n_batch))
+    t46 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t47 = t42.reshape((d_V**2, L*n_batch))
+    t48 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t49 = torch.cat([t45, t47], dim=-1)
+    t50 = torch.cat([t46, t48], dim=-2)
+    t0[...] = ((t49 @ t50).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -19071,7 +19027,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19081,7 +19037,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19114,7 +19070,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t49.reshape((L*n_batch, d_K)) @ t21.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19154,7 +19110,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19167,7 +19123,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19182,11 +19138,11 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/L) * t30
     G = t31
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t33 = (X.reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_K))
-    t34 = ((t33.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t35 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t24, t26, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t33 = M_2.permute(3, 2, 0, 1)
+    t34 = (X.reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_K))
+    t35 = ((t34.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t33.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -19209,7 +19165,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19219,7 +19175,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19284,11 +19240,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
-    t20 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
+    t20 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
+    t0[...] = (t19.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -19318,7 +19274,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -19357,28 +19313,28 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t25 = M_1.transpose(-1, -2)
     t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA29 = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
     t30 = W_V.transpose(-1, -2)
     t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t32 = (t30.permute(1, 0) @ dA29.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t33 = (t32.permute(1, 2, 3, 0) @ M_2)
-    t34 = (t33.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t35 = ((t34.reshape((n_batch, L, d_V, d_K, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t36 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = (t30.permute(1, 0) @ dA29.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t34 = (t33.permute(1, 2, 3, 0) @ M_2)
+    t35 = (t34.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
+    t36 = ((t35.reshape((n_batch, L, d_V, d_K, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t0 += ((t32.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -19413,7 +19369,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19428,7 +19384,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = W_V.transpose(-1, -2)
     t35 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t36 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19481,28 +19437,28 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = M_2.permute(2, 3, 0, 1)
+    t23 = M_2.permute(2, 3, 0, 1)
+    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t26 = M_1.transpose(-1, -2)
     t27 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
     t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = ((t29.reshape((d_V, d_V, 1)) * A28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA30 = ((t29.reshape((d_V, d_V, 1)) * A28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
     t31 = W_V.transpose(-1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
-    t33 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34 = (dA30.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t35 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t36 = ((t35 @ t34.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t36, optimize=[(0, 1)])
+    t33 = (dA30.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t34 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t35 = ((t34 @ t33.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t36 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t0 += ((t35.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -19537,7 +19493,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19552,7 +19508,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = W_V.transpose(-1, -2)
     t35 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t36 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19600,11 +19556,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -19634,7 +19590,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19663,7 +19619,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19673,7 +19629,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19707,7 +19663,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t22 * t49
@@ -19748,7 +19704,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19758,7 +19714,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19794,7 +19750,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
     t52 = (t51.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -19850,7 +19806,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19860,7 +19816,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19919,7 +19875,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19929,7 +19885,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19966,7 +19922,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t50 = t49 @ X
     t51 = t1 @ t50
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t52 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
     t53 = (t52 @ X.permute(0, 2, 1))
     t54 = (t53.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -20022,7 +19978,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -20032,7 +19988,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20066,7 +20022,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t47 = t46 - (A * t46).sum(-1, keepdim=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t51 = (t49.reshape((L*n_batch, d_K)) @ t49.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -20108,7 +20064,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -20118,7 +20074,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -20186,11 +20142,11 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -20257,11 +20213,11 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -20328,7 +20284,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))

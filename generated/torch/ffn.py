@@ -98,8 +98,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t25 = t18 @ t13
     t26 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t27 = (2/(L*d_V*n_batch)) * t26
-    t28 = t25.sum((0,))
-    t24 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
+    t24 += (t25.sum((0,)).reshape((d_ff**2, 1)) * t27.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
     return H
 
 
@@ -311,8 +310,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).permute(1, 0)
     return out
 
 
@@ -399,8 +397,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
+    t1 += (t8.sum((0,)).reshape((d_ff**2, 1)) * t10.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
     return out
 
 
@@ -445,9 +442,9 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * t4
-    t12 = ((t6.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t13 = G.permute(2, 0, 1)
-    t3 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
+    t12 = G.permute(2, 0, 1)
+    t13 = ((t6.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t3 += ((t12.reshape((d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
     t15 = t14.view((d_ff, d_V, d_V, d_ff))
@@ -456,9 +453,9 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t18 = t5.transpose(-1, -2)
     t19 = t6.transpose(-1, -2)
     t20 = (1/n_batch) * t17
-    t21 = ((t19.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = X.permute(2, 0, 1)
-    t16 += oe.contract('abcd,ecd->aeb', t21, t22, optimize=[(0, 1)])
+    t21 = X.permute(2, 0, 1)
+    t22 = ((t19.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 += ((t21.reshape((d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     return H
@@ -585,9 +582,9 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (2/(L*d_V)) * t7
     G = t8
     t9 = (1/n_batch) * t2
-    t10 = ((t4.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t11 = G.permute(2, 0, 1)
-    t1 += oe.contract('abcd,ecd->aeb', t10, t11, optimize=[(0, 1)])
+    t10 = G.permute(2, 0, 1)
+    t11 = ((t4.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += ((t10.reshape((d_V, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -657,9 +654,9 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t9 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t10 = t9.transpose(-1, -2)
     t11 = (1/n_batch) * t7
-    t12 = ((t10.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t13 = X.permute(2, 0, 1)
-    t1 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
+    t12 = X.permute(2, 0, 1)
+    t13 = ((t10.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += ((t12.reshape((d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -739,10 +736,10 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t18 = (2/(L*d_V)) * t17
     G = t18
     t19 = (1/n_batch) * t2
-    t20 = ((t4.reshape((n_batch, L, d_ff, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21 = G.permute(2, 0, 1)
+    t20 = G.permute(2, 0, 1)
+    t21 = ((t4.reshape((n_batch, L, d_ff, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t12[...] = ((t14.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-    t15 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t15 += ((t20.reshape((d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t22 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t23 = t22.view((d_ff, d_V, d_V, d_ff))
     t24 = t3.transpose(-1, -2)
@@ -754,10 +751,10 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t30 = G.transpose(-1, -2)
     t31 = t4.transpose(-1, -2)
     t32 = (1/n_batch) * t30
-    t33 = ((t31.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34 = X.permute(2, 0, 1)
+    t33 = X.permute(2, 0, 1)
+    t34 = ((t31.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t23[...] = ((t28.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
-    t29 += oe.contract('abcd,ecd->aeb', t33, t34, optimize=[(0, 1)])
+    t29 += ((t33.reshape((d_V, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t35 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t35[...] = 0
     t36 = t35.view((d_ff, d_V, d_ff, d_V))
@@ -765,8 +762,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t38 = t25 @ t13
     t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t40 = (2/(L*d_V*n_batch)) * t39
-    t41 = t38.sum((0,))
-    t37 += oe.contract('a,bc->bca', t40, t41, optimize=[(0, 1)])
+    t37 += (t38.sum((0,)).reshape((d_ff**2, 1)) * t40.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
     return H
 
 
@@ -976,10 +972,10 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/n_batch) * t1
-    t13 = ((t3.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t14 = G.permute(2, 0, 1)
+    t13 = G.permute(2, 0, 1)
+    t14 = ((t3.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t7.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-    t8 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
+    t8 += ((t13.reshape((d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -1033,8 +1029,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).permute(1, 0)
     return out
 
 
@@ -1082,10 +1077,10 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t16
     t17 = G.transpose(-1, -2)
     t18 = (1/n_batch) * t17
-    t19 = ((t7.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 = X.permute(2, 0, 1)
+    t19 = X.permute(2, 0, 1)
+    t20 = ((t7.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t11.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
-    t12 += oe.contract('abcd,ecd->aeb', t19, t20, optimize=[(0, 1)])
+    t12 += ((t19.reshape((d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -1147,8 +1142,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
+    t1 += (t8.sum((0,)).reshape((d_ff**2, 1)) * t10.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
     return out
 
 
@@ -1425,23 +1419,23 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
-    t19 = X.permute(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t13 = X.permute(2, 0, 1)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t18 = (t16.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t19 = ((t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t17.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t1[...] = ((t13.reshape((d_V, L*n_batch)) @ t19.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = t20.view((d_V, d_ff, d_ff, d_V))
-    t22 = (t13.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t23 = ((t16.reshape((n_batch, L, d_ff, d_V, 1)) * t22.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
-    t24 = t7.permute(2, 0, 1)
-    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
+    t22 = t7.permute(2, 0, 1)
+    t23 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t24 = ((t17.reshape((n_batch, L, d_ff, d_V, 1)) * t23.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t21[...] = ((t22.reshape((d_ff, L*n_batch)) @ t24.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t26 = t25.view((d_ff, d_V, d_V, d_ff))
     t27 = t3.transpose(-1, -2)
@@ -1451,12 +1445,12 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t31 = (t6.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t32 = (t30.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
     t33 = ((t32.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t31.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
-    t26[...] = oe.contract('abcde,fde->abfc', t33, t19, optimize=[(0, 1)])
+    t26[...] = ((t13.reshape((d_V, L*n_batch)) @ t33.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
     t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t35 = t34.view((d_ff, d_V, d_ff, d_V))
     t36 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t37 = ((t7.reshape((n_batch, L, d_ff, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t35[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
     return H
 
 
@@ -1512,7 +1506,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -1568,16 +1562,16 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.permute(0, 2, 1)
     t13 = t3 * t3
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = ((t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
-    t16 = (t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))
-    t17 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
-    t0[...] = ((t17.reshape((d_ff, 1, L*n_batch)) @ t16.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V))).reshape((d_ff, d_V))).permute(1, 0)
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t15.permute(0, 2, 1).reshape((d_ff, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    t0[...] = ((t14.permute(1, 0, 2, 3).reshape((d_ff, d_V, L*n_batch)) @ t17.reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -1598,7 +1592,7 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
@@ -1628,17 +1622,17 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t13 = (t12.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t13.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t15 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t16 = (t14.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t15.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
-    t18 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t12 = X.permute(2, 0, 1)
+    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t0[...] = ((t12.reshape((d_V, L*n_batch)) @ t18.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     return out
 
 
@@ -1659,7 +1653,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -1695,14 +1689,14 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t12 = (t11.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t13 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t14 = ((t13.reshape((n_batch, L, d_ff, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
-    t15 = t6.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
+    t11 = t6.permute(2, 0, 1)
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t15 = ((t14.reshape((n_batch, L, d_ff, d_V, 1)) * t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t0[...] = ((t11.reshape((d_ff, L*n_batch)) @ t15.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     return out
 
 
@@ -1723,7 +1717,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1757,11 +1751,11 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
-    t14 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t13 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
+    t0[...] = (t13.reshape((d_ff, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -1784,7 +1778,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -1811,17 +1805,17 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t17 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t18 = (t16.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t19 = ((t18.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t17.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
-    t20 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
+    t16 = X.permute(2, 0, 1)
+    t17 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t18 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t19 = (t17.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
+    t20 = ((t19.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t18.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t20.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
     return out
 
 
@@ -1844,7 +1838,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
@@ -1881,11 +1875,11 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
     return out
 
 
@@ -1908,7 +1902,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1947,9 +1941,9 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = (1/n_batch) * t4
-    t16 = ((t6.reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = G.permute(2, 0, 1)
-    t3 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
+    t16 = G.permute(2, 0, 1)
+    t17 = ((t6.reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t3 += ((t16.reshape((d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
     t19 = t18.view((d_ff, d_V, d_V, d_ff))
@@ -1958,9 +1952,9 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t22 = t5.transpose(-1, -2)
     t23 = t6.transpose(-1, -2)
     t24 = (1/n_batch) * t21
-    t25 = ((t23.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t26 = X.permute(2, 0, 1)
-    t20 += oe.contract('abcd,ecd->aeb', t25, t26, optimize=[(0, 1)])
+    t25 = X.permute(2, 0, 1)
+    t26 = ((t23.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 += ((t25.reshape((d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
     return H
@@ -2102,9 +2096,9 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (1/L) * t11
     G = t12
     t13 = (1/n_batch) * t2
-    t14 = ((t4.reshape((n_batch, L, d_ff, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t15 = G.permute(2, 0, 1)
-    t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
+    t14 = G.permute(2, 0, 1)
+    t15 = ((t4.reshape((n_batch, L, d_ff, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += ((t14.reshape((d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -2184,9 +2178,9 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t13 = torch.heaviside(t4, torch.full_like(t4, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/n_batch) * t11
-    t16 = ((t14.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = X.permute(2, 0, 1)
-    t1 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
+    t16 = X.permute(2, 0, 1)
+    t17 = ((t14.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += ((t16.reshape((d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -2261,22 +2255,22 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
-    t19 = X.permute(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
+    t13 = X.permute(2, 0, 1)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t18 = (t16.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t19 = ((t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t17.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t1[...] = ((t13.reshape((d_V, L*n_batch)) @ t19.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = t20.view((d_V, d_ff, d_ff, d_V))
-    t22 = (t13.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t23 = ((t16.reshape((n_batch, L, d_ff, d_V, 1)) * t22.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
-    t24 = t7.permute(2, 0, 1)
+    t22 = t7.permute(2, 0, 1)
+    t23 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t24 = ((t17.reshape((n_batch, L, d_ff, d_V, 1)) * t23.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
     t25 = t21.diagonal(0, 1, 2)
     F = t8
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2286,10 +2280,10 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t30 = (1/L) * t29
     G = t30
     t31 = (1/n_batch) * t2
-    t32 = ((t4.reshape((n_batch, L, d_ff, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33 = G.permute(2, 0, 1)
-    t21[...] = oe.contract('abcde,fde->abfc', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('abcd,ecd->aeb', t32, t33, optimize=[(0, 1)])
+    t32 = G.permute(2, 0, 1)
+    t33 = ((t4.reshape((n_batch, L, d_ff, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21[...] = ((t22.reshape((d_ff, L*n_batch)) @ t24.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
+    t25 += ((t32.reshape((d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t35 = t34.view((d_ff, d_V, d_V, d_ff))
     t36 = t3.transpose(-1, -2)
@@ -2304,13 +2298,13 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t45 = t4.transpose(-1, -2)
     t46 = (1/n_batch) * t44
     t47 = ((t45.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = oe.contract('abcde,fde->abfc', t42, t19, optimize=[(0, 1)])
-    t43 += oe.contract('abcd,ecd->aeb', t47, t19, optimize=[(0, 1)])
+    t35[...] = ((t13.reshape((d_V, L*n_batch)) @ t42.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
+    t43 += ((t13.reshape((d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t49 = t48.view((d_ff, d_V, d_ff, d_V))
     t50 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t51 = ((t7.reshape((n_batch, L, d_ff, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t49[...] = oe.contract('abcd,efcd->eafb', t50, t51, optimize=[(0, 1)])
+    t49[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
     return H
 
 
@@ -2378,7 +2372,7 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -2458,16 +2452,16 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.permute(0, 2, 1)
     t13 = t3 * t3
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = ((t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
-    t16 = (t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))
-    t17 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
-    t0[...] = ((t17.reshape((d_ff, 1, L*n_batch)) @ t16.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V))).reshape((d_ff, d_V))).permute(1, 0)
+    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (t15.permute(0, 2, 1).reshape((d_ff, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    t0[...] = ((t14.permute(1, 0, 2, 3).reshape((d_ff, d_V, L*n_batch)) @ t17.reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -2488,7 +2482,7 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
@@ -2518,17 +2512,17 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t13 = (t12.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t13.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t15 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t16 = (t14.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t15.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
-    t18 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t12 = X.permute(2, 0, 1)
+    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
+    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
+    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t0[...] = ((t12.reshape((d_V, L*n_batch)) @ t18.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     return out
 
 
@@ -2549,7 +2543,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -2585,13 +2579,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t12 = (t11.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t13 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t14 = ((t13.reshape((n_batch, L, d_ff, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
-    t15 = t6.permute(2, 0, 1)
+    t11 = t6.permute(2, 0, 1)
+    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t15 = ((t14.reshape((n_batch, L, d_ff, d_V, 1)) * t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
     t16 = t0.diagonal(0, 1, 2)
     F = t7
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2601,10 +2595,10 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t21 = (1/L) * t20
     G = t21
     t22 = (1/n_batch) * t1
-    t23 = ((t3.reshape((n_batch, L, d_ff, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24 = G.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t14, t15, optimize=[(0, 1)])
-    t16 += oe.contract('abcd,ecd->aeb', t23, t24, optimize=[(0, 1)])
+    t23 = G.permute(2, 0, 1)
+    t24 = ((t3.reshape((n_batch, L, d_ff, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t11.reshape((d_ff, L*n_batch)) @ t15.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
+    t16 += ((t23.reshape((d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -2625,7 +2619,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2674,11 +2668,11 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
-    t14 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t13 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
+    t0[...] = (t13.reshape((d_ff, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -2701,7 +2695,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -2728,16 +2722,16 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t17 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t18 = (t16.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t19 = ((t18.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t17.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
-    t20 = X.permute(2, 0, 1)
+    t16 = X.permute(2, 0, 1)
+    t17 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t18 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t19 = (t17.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
+    t20 = ((t19.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t18.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
     t21 = t0.diagonal(0, 0, 3)
     F = t9
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2749,8 +2743,8 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t27 = G.transpose(-1, -2)
     t28 = (1/n_batch) * t27
     t29 = ((t13.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
-    t21 += oe.contract('abcd,ecd->aeb', t29, t20, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t20.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
+    t21 += ((t16.reshape((d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -2773,7 +2767,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
@@ -2826,11 +2820,11 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
     return out
 
 
@@ -2853,7 +2847,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2881,7 +2875,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -2917,7 +2911,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2969,7 +2963,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
@@ -3025,7 +3019,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -119,9 +119,10 @@ def mse__hessian__outer(X, Y):
     S19 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t18.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = ((t12.reshape((d_V**2, 1)) * t20.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t20.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
-    t22 = (S19.permute(0, 2, 1) @ S17.permute(0, 2, 1))
-    t2 += ((t22.permute(0, 2, 1) @ S21)).permute(1, 2, 0)
+    S21 = (t20.reshape((L, 1)) * t12.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t20.reshape((L, 1)) * t13.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t22 = S21.permute(2, 0, 1)
+    t23 = ((S19.permute(0, 2, 1) @ S17.permute(0, 2, 1))).permute(2, 0, 1)
+    t2 += ((t22.permute(1, 0, 2) @ t23.permute(1, 2, 0))).permute(2, 1, 0)
     return H
 
 
@@ -201,7 +202,7 @@ def mse__frobenius_all__outer(X, Y):
     S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S18 = (t17.reshape((L, 1)) * t9.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t17.reshape((L, 1)) * t10.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
     t20 = (S18 @ S18.permute(0, 2, 1))
     t21 = (t20 @ t19)
@@ -243,9 +244,10 @@ def mse__diag__X__outer(X, Y):
     S17 = ((t10.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t16.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = ((t10.reshape((d_V**2, 1)) * t18.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t11.reshape((d_V**2, 1)) * t18.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
-    t20 = (S17.permute(0, 2, 1) @ S15.permute(0, 2, 1))
-    t0[...] = (t20.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S19.permute(0, 2, 1).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    S19 = (t18.reshape((L, 1)) * t10.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t18.reshape((L, 1)) * t11.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t20 = S19.permute(0, 2, 1)
+    t21 = (S15 @ S17)
+    t0[...] = (t20.reshape((L, d_V, 1, d_V)) @ t21.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -280,7 +282,7 @@ def mse__trace__X__outer(X, Y):
     S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S18 = (t17.reshape((L, 1)) * t9.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t17.reshape((L, 1)) * t10.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
     return (t19 * S18).sum()
 
@@ -320,9 +322,10 @@ def mse__block__X__X__outer(X, Y):
     S18 = ((t11.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t17.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t19 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = ((t11.reshape((d_V**2, 1)) * t19.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t12.reshape((d_V**2, 1)) * t19.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
-    t21 = (S18.permute(0, 2, 1) @ S16.permute(0, 2, 1))
-    t1 += ((t21.permute(0, 2, 1) @ S20)).permute(1, 2, 0)
+    S20 = (t19.reshape((L, 1)) * t11.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t19.reshape((L, 1)) * t12.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t21 = S20.permute(2, 0, 1)
+    t22 = ((S18.permute(0, 2, 1) @ S16.permute(0, 2, 1))).permute(2, 0, 1)
+    t1 += ((t21.permute(1, 0, 2) @ t22.permute(1, 2, 0))).permute(2, 1, 0)
     return out
 
 
@@ -357,7 +360,7 @@ def mse__frobenius__X__X__outer(X, Y):
     S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S18 = (t17.reshape((L, 1)) * t9.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t17.reshape((L, 1)) * t10.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
     t20 = (S18 @ S18.permute(0, 2, 1))
     t21 = (t20 @ t19)
@@ -413,9 +416,11 @@ def mse__hessian__functional(X, Y):
     S27 = (2/d_V) * ((t19.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t20.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S26.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = ((t19.reshape((d_V**2, 1)) * t28.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t21.reshape((d_V**2, 1)) * t28.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S29 = (t28.reshape((L, 1)) * t19.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t28.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t30 = (1/n_batch) * S29
-    t2 += ((t30.permute(0, 2, 1) @ S27.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t31 = (S27.sum((0,))).permute(1, 0, 2)
+    t32 = t30.permute(2, 0, 1)
+    t2 += ((t31.permute(1, 0, 2) @ t32.permute(1, 2, 0))).permute(1, 2, 0)
     return H
 
 
@@ -516,7 +521,7 @@ def mse__frobenius_all__functional(X, Y):
     S24 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S23.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = ((t16.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S26 = (t25.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t25.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t27 = (S26.permute(0, 2, 1) @ S24.sum((0,)).permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1) @ S26.permute(0, 2, 1))
     t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
@@ -568,9 +573,11 @@ def mse__diag__X__functional(X, Y):
     S25 = (2/d_V) * ((t17.reshape((d_V, d_V, 1)) * t16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t18.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S24.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = ((t17.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t19.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S27 = (t26.reshape((L, 1)) * t17.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t26.reshape((L, 1)) * t19.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t28 = (1/n_batch) * S27
-    t0[...] = (t28.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S25.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    t29 = S25.sum((0,))
+    t30 = t28.permute(0, 2, 1)
+    t0[...] = (t29.reshape((L, d_V, 1, d_V)) @ t30.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -616,7 +623,7 @@ def mse__trace__X__functional(X, Y):
     S24 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S23.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = ((t16.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S26 = (t25.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t25.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     return (1/n_batch) * (S26 * S24.sum((0,)).permute(0, 2, 1)).sum()
 
 
@@ -666,9 +673,11 @@ def mse__block__X__X__functional(X, Y):
     S26 = (2/d_V) * ((t18.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t19.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = ((t18.reshape((d_V**2, 1)) * t27.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t20.reshape((d_V**2, 1)) * t27.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S28 = (t27.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t27.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t29 = (1/n_batch) * S28
-    t1 += ((t29.permute(0, 2, 1) @ S26.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t30 = (S26.sum((0,))).permute(1, 0, 2)
+    t31 = t29.permute(2, 0, 1)
+    t1 += ((t30.permute(1, 0, 2) @ t31.permute(1, 2, 0))).permute(1, 2, 0)
     return out
 
 
@@ -714,7 +723,7 @@ def mse__frobenius__X__X__functional(X, Y):
     S24 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S23.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = ((t16.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S26 = (t25.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t25.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t27 = (S26.permute(0, 2, 1) @ S24.sum((0,)).permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1) @ S26.permute(0, 2, 1))
     t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
@@ -778,9 +787,11 @@ def mse__hessian__full(X, Y):
     S34 = (2/d_V) * ((t19.reshape((d_V, d_V, 1)) * t18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t20.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t30.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t21.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S28.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S31.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t33.permute(0, 2, 1) @ S28)
     t35 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = ((t19.reshape((d_V**2, 1)) * t35.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t21.reshape((d_V**2, 1)) * t35.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S36 = (t35.reshape((L, 1)) * t19.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t35.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t37 = (1/n_batch) * S36
-    t2 += ((t37.permute(0, 2, 1) @ S34.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t38 = (S34.sum((0,))).permute(1, 0, 2)
+    t39 = t37.permute(2, 0, 1)
+    t2 += ((t38.permute(1, 0, 2) @ t39.permute(1, 2, 0))).permute(1, 2, 0)
     return H
 
 
@@ -901,7 +912,7 @@ def mse__frobenius_all__full(X, Y):
     S31 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t27.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t18.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S25.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.permute(0, 2, 1) @ S25)
     t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = ((t16.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S33 = (t32.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t32.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t34 = (S33.permute(0, 2, 1) @ S31.sum((0,)).permute(0, 2, 1))
     t35 = (t34.permute(0, 2, 1) @ S33.permute(0, 2, 1))
     t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
@@ -962,9 +973,11 @@ def mse__diag__X__full(X, Y):
     S32 = (2/d_V) * ((t17.reshape((d_V, d_V, 1)) * t16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t20.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t18.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t28.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t19.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S26.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S29.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t31.permute(0, 2, 1) @ S26)
     t33 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = ((t17.reshape((d_V**2, 1)) * t33.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t19.reshape((d_V**2, 1)) * t33.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S34 = (t33.reshape((L, 1)) * t17.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t33.reshape((L, 1)) * t19.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t35 = (1/n_batch) * S34
-    t0[...] = (t35.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S32.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    t36 = S32.sum((0,))
+    t37 = t35.permute(0, 2, 1)
+    t0[...] = (t36.reshape((L, d_V, 1, d_V)) @ t37.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -1019,7 +1032,7 @@ def mse__trace__X__full(X, Y):
     S31 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t27.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t18.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S25.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.permute(0, 2, 1) @ S25)
     t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = ((t16.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S33 = (t32.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t32.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     return (1/n_batch) * (S33 * S31.sum((0,)).permute(0, 2, 1)).sum()
 
 
@@ -1078,9 +1091,11 @@ def mse__block__X__X__full(X, Y):
     S33 = (2/d_V) * ((t18.reshape((d_V, d_V, 1)) * t17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t19.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t29.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t20.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S27.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S30.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t32.permute(0, 2, 1) @ S27)
     t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = ((t18.reshape((d_V**2, 1)) * t34.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t20.reshape((d_V**2, 1)) * t34.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S35 = (t34.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t34.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t36 = (1/n_batch) * S35
-    t1 += ((t36.permute(0, 2, 1) @ S33.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t37 = (S33.sum((0,))).permute(1, 0, 2)
+    t38 = t36.permute(2, 0, 1)
+    t1 += ((t37.permute(1, 0, 2) @ t38.permute(1, 2, 0))).permute(1, 2, 0)
     return out
 
 
@@ -1135,7 +1150,7 @@ def mse__frobenius__X__X__full(X, Y):
     S31 = (2/d_V) * ((t16.reshape((d_V, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t19.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t17.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (4/(L*d_V**2)) * ((t27.permute(3, 0, 2, 1).reshape((d_V, L*d_V, d_V)) @ t18.reshape((d_V, d_V, 1))).reshape((d_V, L, d_V))).permute(1, 0, 2) + (2/(L*d_V)) * (S25.reshape((L, d_V, d_V, 1)) * P_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V)) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (-2/(L*d_V**2)) * (t30.permute(0, 2, 1) @ S25)
     t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = ((t16.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t18.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S33 = (t32.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t32.reshape((L, 1)) * t18.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t34 = (S33.permute(0, 2, 1) @ S31.sum((0,)).permute(0, 2, 1))
     t35 = (t34.permute(0, 2, 1) @ S33.permute(0, 2, 1))
     t36 = (n_batch**(-2)) * (t35 * S31.sum((0,))).sum()
@@ -1174,7 +1189,7 @@ def mse__frobenius_split__X__X(X, Y):
     S16 = ((t9.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t15.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = ((t9.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t10.reshape((d_V**2, 1)) * t17.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S18 = (t17.reshape((L, 1)) * t9.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t17.reshape((L, 1)) * t10.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
     t20 = (S18 @ S18.permute(0, 2, 1))
     t21 = (t20 @ t19)
@@ -1392,18 +1407,18 @@ def ce__hessian__outer(X, Y):
     t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t22 / t22.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t23 = t17 * M_Z
     t24 = (t16.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = ((t15.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = ((t15.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t16.reshape((d_V**2, 1)) * t26.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S27 = (t26.reshape((L, 1)) * t15.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t26.reshape((L, 1)) * t16.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t28 = (1/n_batch) * dA
-    t29 = (t28.permute(0, 2, 1) @ S20.sum((0,)).permute(0, 2, 1))
-    t30 = (S27.permute(0, 2, 1) @ S25.permute(0, 2, 1))
-    t2 += ((t30 @ t29)).permute(2, 1, 0)
+    t29 = ((t28.permute(0, 2, 1) @ S20.sum((0,)).permute(0, 2, 1))).permute(2, 0, 1)
+    t30 = ((S27.permute(0, 2, 1) @ S25.permute(0, 2, 1))).permute(1, 0, 2)
+    t2 += ((t29.permute(1, 0, 2) @ t30.permute(1, 2, 0))).permute(1, 2, 0)
     return H
 
 
@@ -1494,14 +1509,14 @@ def ce__frobenius_all__outer(X, Y):
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S24 = (t23.reshape((L, 1)) * t12.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t13.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
     t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
     t27 = (S24 @ S24.permute(0, 2, 1))
@@ -1548,18 +1563,19 @@ def ce__diag__X__outer(X, Y):
     t20 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t20 / t20.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t21 = t15 * M_Z
     t22 = (t14.reshape((d_V, d_V, 1)) * t21.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = ((t13.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t22.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = ((t13.reshape((d_V**2, 1)) * t24.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t14.reshape((d_V**2, 1)) * t24.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S25 = (t24.reshape((L, 1)) * t13.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t24.reshape((L, 1)) * t14.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t26 = (1/n_batch) * dA
-    t27 = (S23.permute(0, 2, 1) @ t26.permute(0, 2, 1))
-    t28 = (t27.permute(0, 2, 1) @ S25)
-    t0[...] = (t28.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S18.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    t27 = S18.sum((0,))
+    t28 = (S23.permute(0, 2, 1) @ t26.permute(0, 2, 1))
+    t29 = (S25.permute(0, 2, 1) @ t28)
+    t0[...] = (t27.reshape((L, d_V, 1, d_V)) @ t29.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -1597,14 +1613,14 @@ def ce__trace__X__outer(X, Y):
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S24 = (t23.reshape((L, 1)) * t12.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t13.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t25 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
     t26 = (t25.permute(0, 2, 1) @ S24)
     return (1/n_batch) * (t26 * S17.sum((0,)).permute(0, 2, 1)).sum()
@@ -1648,18 +1664,18 @@ def ce__block__X__X__outer(X, Y):
     t21 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t21 / t21.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t22 = t16 * M_Z
     t23 = (t15.reshape((d_V, d_V, 1)) * t22.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = ((t14.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = ((t14.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t15.reshape((d_V**2, 1)) * t25.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S26 = (t25.reshape((L, 1)) * t14.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t25.reshape((L, 1)) * t15.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t27 = (1/n_batch) * dA
-    t28 = (t27.permute(0, 2, 1) @ S19.sum((0,)).permute(0, 2, 1))
-    t29 = (S26.permute(0, 2, 1) @ S24.permute(0, 2, 1))
-    t1 += ((t29 @ t28)).permute(2, 1, 0)
+    t28 = ((t27.permute(0, 2, 1) @ S19.sum((0,)).permute(0, 2, 1))).permute(2, 0, 1)
+    t29 = ((S26.permute(0, 2, 1) @ S24.permute(0, 2, 1))).permute(1, 0, 2)
+    t1 += ((t28.permute(1, 0, 2) @ t29.permute(1, 2, 0))).permute(1, 2, 0)
     return out
 
 
@@ -1697,14 +1713,14 @@ def ce__frobenius__X__X__outer(X, Y):
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S24 = (t23.reshape((L, 1)) * t12.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t13.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
     t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
     t27 = (S24 @ S24.permute(0, 2, 1))
@@ -1767,9 +1783,11 @@ def ce__hessian__functional(X, Y):
     S31 = (2/d_V) * ((t23.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S30.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = ((t23.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t25.reshape((d_V**2, 1)) * t32.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S33 = (t32.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t32.reshape((L, 1)) * t25.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t34 = (1/n_batch) * S33
-    t2 += ((t34.permute(0, 2, 1) @ S31.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t35 = (S31.sum((0,))).permute(1, 0, 2)
+    t36 = t34.permute(2, 0, 1)
+    t2 += ((t35.permute(1, 0, 2) @ t36.permute(1, 2, 0))).permute(1, 2, 0)
     return H
 
 
@@ -1880,7 +1898,7 @@ def ce__frobenius_all__functional(X, Y):
     S28 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = ((t20.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S30 = (t29.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t29.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t31 = (S30.permute(0, 2, 1) @ S28.sum((0,)).permute(0, 2, 1))
     t32 = (t31.permute(0, 2, 1) @ S30.permute(0, 2, 1))
     t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
@@ -1937,9 +1955,11 @@ def ce__diag__X__functional(X, Y):
     S29 = (2/d_V) * ((t21.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = ((t21.reshape((d_V**2, 1)) * t30.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t23.reshape((d_V**2, 1)) * t30.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S31 = (t30.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t30.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t32 = (1/n_batch) * S31
-    t0[...] = (t32.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S29.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    t33 = S29.sum((0,))
+    t34 = t32.permute(0, 2, 1)
+    t0[...] = (t33.reshape((L, d_V, 1, d_V)) @ t34.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -1990,7 +2010,7 @@ def ce__trace__X__functional(X, Y):
     S28 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = ((t20.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S30 = (t29.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t29.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     return (1/n_batch) * (S30 * S28.sum((0,)).permute(0, 2, 1)).sum()
 
 
@@ -2045,9 +2065,11 @@ def ce__block__X__X__functional(X, Y):
     S30 = (2/d_V) * ((t22.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S29.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t31 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = ((t22.reshape((d_V**2, 1)) * t31.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t24.reshape((d_V**2, 1)) * t31.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S32 = (t31.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t31.reshape((L, 1)) * t24.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t33 = (1/n_batch) * S32
-    t1 += ((t33.permute(0, 2, 1) @ S30.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t34 = (S30.sum((0,))).permute(1, 0, 2)
+    t35 = t33.permute(2, 0, 1)
+    t1 += ((t34.permute(1, 0, 2) @ t35.permute(1, 2, 0))).permute(1, 2, 0)
     return out
 
 
@@ -2098,7 +2120,7 @@ def ce__frobenius__X__X__functional(X, Y):
     S28 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((S27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = ((t20.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t29.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S30 = (t29.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t29.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t31 = (S30.permute(0, 2, 1) @ S28.sum((0,)).permute(0, 2, 1))
     t32 = (t31.permute(0, 2, 1) @ S30.permute(0, 2, 1))
     t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
@@ -2151,7 +2173,7 @@ def ce__hessian__full(X, Y):
     t28 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t23.reshape((d_V, d_V, 1)) * A29.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A29.reshape((L, d_V, 1)) * A29.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t23.reshape((d_V, d_V, 1)) * A29.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A29.reshape((L, d_V, 1)) * A29.reshape((L, 1, d_V)))
     t30 = t11 * M_Z
     t31 = (t25.reshape((d_V, d_V, 1)) * t30.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2174,9 +2196,11 @@ def ce__hessian__full(X, Y):
     S43 = (2/d_V) * ((t23.reshape((d_V, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t26.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t32.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t27.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t36.permute(2, 0, 1) @ S35.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t39.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t32 @ t41.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S42.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t44 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S45 = ((t23.reshape((d_V**2, 1)) * t44.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t25.reshape((d_V**2, 1)) * t44.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S45 = (t44.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t44.reshape((L, 1)) * t25.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t46 = (1/n_batch) * S45
-    t2 += ((t46.permute(0, 2, 1) @ S43.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t47 = (S43.sum((0,))).permute(1, 0, 2)
+    t48 = t46.permute(2, 0, 1)
+    t2 += ((t47.permute(1, 0, 2) @ t48.permute(1, 2, 0))).permute(1, 2, 0)
     return H
 
 
@@ -2291,7 +2315,7 @@ def ce__frobenius_all__full(X, Y):
     t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))
     t27 = t8 * M_Z
     t28 = (t22.reshape((d_V, d_V, 1)) * t27.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2314,7 +2338,7 @@ def ce__frobenius_all__full(X, Y):
     S40 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t36.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t29 @ t38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = ((t20.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S42 = (t41.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t41.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t43 = (S42.permute(0, 2, 1) @ S40.sum((0,)).permute(0, 2, 1))
     t44 = (t43.permute(0, 2, 1) @ S42.permute(0, 2, 1))
     t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
@@ -2364,7 +2388,7 @@ def ce__diag__X__full(X, Y):
     t26 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t21.reshape((d_V, d_V, 1)) * A27.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A27.reshape((L, d_V, 1)) * A27.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t21.reshape((d_V, d_V, 1)) * A27.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A27.reshape((L, d_V, 1)) * A27.reshape((L, 1, d_V)))
     t28 = t9 * M_Z
     t29 = (t23.reshape((d_V, d_V, 1)) * t28.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2387,9 +2411,11 @@ def ce__diag__X__full(X, Y):
     S41 = (2/d_V) * ((t21.reshape((d_V, d_V, 1)) * t20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t24.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t22.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t30.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t25.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t34.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t37.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t30 @ t39.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S40.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t42 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S43 = ((t21.reshape((d_V**2, 1)) * t42.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t23.reshape((d_V**2, 1)) * t42.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S43 = (t42.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t42.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t44 = (1/n_batch) * S43
-    t0[...] = (t44.permute(0, 2, 1).reshape((L, d_V, 1, d_V)) @ S41.sum((0,)).reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    t45 = S41.sum((0,))
+    t46 = t44.permute(0, 2, 1)
+    t0[...] = (t45.reshape((L, d_V, 1, d_V)) @ t46.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -2433,7 +2459,7 @@ def ce__trace__X__full(X, Y):
     t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))
     t27 = t8 * M_Z
     t28 = (t22.reshape((d_V, d_V, 1)) * t27.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2456,7 +2482,7 @@ def ce__trace__X__full(X, Y):
     S40 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t36.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t29 @ t38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = ((t20.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S42 = (t41.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t41.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     return (1/n_batch) * (S42 * S40.sum((0,)).permute(0, 2, 1)).sum()
 
 
@@ -2504,7 +2530,7 @@ def ce__block__X__X__full(X, Y):
     t27 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t22.reshape((d_V, d_V, 1)) * A28.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A28.reshape((L, d_V, 1)) * A28.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t22.reshape((d_V, d_V, 1)) * A28.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A28.reshape((L, d_V, 1)) * A28.reshape((L, 1, d_V)))
     t29 = t10 * M_Z
     t30 = (t24.reshape((d_V, d_V, 1)) * t29.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2527,9 +2553,11 @@ def ce__block__X__X__full(X, Y):
     S42 = (2/d_V) * ((t22.reshape((d_V, d_V, 1)) * t21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t25.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t23.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t31.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t26.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t35.permute(2, 0, 1) @ S34.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t38.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t31 @ t40.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S41.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t43 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = ((t22.reshape((d_V**2, 1)) * t43.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t24.reshape((d_V**2, 1)) * t43.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S44 = (t43.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t43.reshape((L, 1)) * t24.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t45 = (1/n_batch) * S44
-    t1 += ((t45.permute(0, 2, 1) @ S42.sum((0,)).permute(0, 2, 1))).permute(2, 1, 0)
+    t46 = (S42.sum((0,))).permute(1, 0, 2)
+    t47 = t45.permute(2, 0, 1)
+    t1 += ((t46.permute(1, 0, 2) @ t47.permute(1, 2, 0))).permute(1, 2, 0)
     return out
 
 
@@ -2573,7 +2601,7 @@ def ce__frobenius__X__X__full(X, Y):
     t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t20.reshape((d_V, d_V, 1)) * A26.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A26.reshape((L, d_V, 1)) * A26.reshape((L, 1, d_V)))
     t27 = t8 * M_Z
     t28 = (t22.reshape((d_V, d_V, 1)) * t27.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -2596,7 +2624,7 @@ def ce__frobenius__X__X__full(X, Y):
     S40 = (2/d_V) * ((t20.reshape((d_V, d_V, 1)) * t19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) + (2/d_V) * ((t23.permute(1, 2, 0).reshape((L, d_V, d_V, 1)) * t21.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (1/L) * ((t29.permute(0, 2, 1).reshape((L, d_V, d_V, 1)) * t24.permute(1, 2, 0).reshape((L, d_V, 1, n_batch)))).permute(3, 0, 1, 2) + (2/d_V) * ((t33.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (2/(L*d_V)) * ((t36.permute(0, 3, 1, 2).reshape((L, d_V, d_V*n_batch, 1)) * M_Z.reshape((L, d_V, 1, 1))).reshape((L, d_V, d_V, n_batch))).permute(3, 0, 1, 2) + (-1/(L*d_V)) * ((t29 @ t38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 3, 1) + (-2/d_V**2) * ((S39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = ((t20.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t22.reshape((d_V**2, 1)) * t41.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S42 = (t41.reshape((L, 1)) * t20.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t41.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t43 = (S42.permute(0, 2, 1) @ S40.sum((0,)).permute(0, 2, 1))
     t44 = (t43.permute(0, 2, 1) @ S42.permute(0, 2, 1))
     t45 = (n_batch**(-2)) * (t44 * S40.sum((0,))).sum()
@@ -2638,14 +2666,14 @@ def ce__frobenius_split__X__X(X, Y):
     t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
     A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - ((A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))).permute(0, 2, 1)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) - (A.reshape((L, d_V, 1)) * A.reshape((L, 1, d_V)))
     t20 = t14 * M_Z
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = ((t12.reshape((d_V, d_V, 1)) * P_Z.permute(1, 0).reshape((d_V, 1, L)))).permute(2, 0, 1) + (2/d_V) * ((t21.permute(1, 2, 0).reshape((d_V, L, d_V, 1)) * M_Z.permute(1, 0).reshape((d_V, L, 1, 1))).reshape((d_V, L, d_V))).permute(1, 2, 0)
     t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = ((t12.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1) + (-1/d_V) * ((t13.reshape((d_V**2, 1)) * t23.reshape((1, L))).reshape((d_V, d_V, L))).permute(2, 0, 1)
+    S24 = (t23.reshape((L, 1)) * t12.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t13.reshape((1, d_V**2))).reshape((L, d_V, d_V))
     t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
     t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
     t27 = (S24 @ S24.permute(0, 2, 1))

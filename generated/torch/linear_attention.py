@@ -98,9 +98,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = t12.permute(1, 2, 0)
-    t15 = t13.permute(1, 2, 0)
-    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t14 = t13.permute(1, 2, 0)
+    t15 = t12.permute(1, 2, 0)
+    t1[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
@@ -110,7 +110,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t22 = (2/(L*d_K*d_V*n_batch)) * t19
     t23 = t22.permute(1, 2, 0)
     t24 = t21.permute(1, 2, 0)
-    t17[...] = oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t17[...] = ((t23.reshape((d_K*d_V, n_batch)) @ t24.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = t25.view((d_V, d_K, d_V, d_V))
     t27 = t18 @ t5
@@ -121,9 +121,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t31 = t7.transpose(-1, -2)
     t32 = t5 @ t31
     t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t30
-    t34 = t32.permute(1, 2, 0)
-    t35 = t33.permute(1, 2, 0)
-    t26[...] = oe.contract('abc,dec->daeb', t34, t35, optimize=[(0, 1)])
+    t34 = t33.permute(1, 2, 0)
+    t35 = t32.permute(1, 2, 0)
+    t26[...] = ((t34.reshape((d_V**2, n_batch)) @ t35.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = t36.view((d_V, d_K, d_V, d_K))
     t38 = t21.transpose(-1, -2)
@@ -131,7 +131,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = (2/(L*d_K*d_V*n_batch)) * t38
     t41 = t40.permute(1, 2, 0)
     t42 = t39.permute(1, 2, 0)
-    t37[...] = oe.contract('abc,dec->adeb', t41, t42, optimize=[(0, 1)])
+    t37[...] = ((t41.reshape((d_K*d_V, n_batch)) @ t42.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
     t45 = t9 @ X
@@ -139,9 +139,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t47 = t18.transpose(-1, -2)
     t48 = t47 @ t18
     t49 = (2/(L*d_K*d_V*n_batch)) * t46
-    t50 = t48.permute(1, 2, 0)
-    t51 = t49.permute(1, 2, 0)
-    t44[...] = oe.contract('abc,dec->daeb', t50, t51, optimize=[(0, 1)])
+    t50 = t49.permute(1, 2, 0)
+    t51 = t48.permute(1, 2, 0)
+    t44[...] = ((t50.reshape((d_V**2, n_batch)) @ t51.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t53 = t52.view((d_V, d_K, d_V, d_V))
     t54 = t2 @ t31
@@ -149,15 +149,15 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t57 = t56.permute(1, 2, 0)
     t58 = t55.permute(1, 2, 0)
-    t53[...] = oe.contract('abc,dec->adeb', t57, t58, optimize=[(0, 1)])
+    t53[...] = ((t57.reshape((d_V**2, n_batch)) @ t58.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
     t61 = t30.transpose(-1, -2)
     t62 = t32.transpose(-1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t61
-    t64 = t62.permute(1, 2, 0)
-    t65 = t63.permute(1, 2, 0)
-    t60[...] = oe.contract('abc,dec->daeb', t64, t65, optimize=[(0, 1)])
+    t64 = t63.permute(1, 2, 0)
+    t65 = t62.permute(1, 2, 0)
+    t60[...] = ((t64.reshape((d_V**2, n_batch)) @ t65.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t67 = t66.view((d_V, d_V, d_V, d_K))
     t68 = t55.transpose(-1, -2)
@@ -165,7 +165,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
     t71 = t70.permute(1, 2, 0)
     t72 = t69.permute(1, 2, 0)
-    t67[...] = oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
+    t67[...] = ((t71.reshape((d_K*d_V, n_batch)) @ t72.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t73[...] = 0
     t74 = t73.view((d_V, d_V, d_V, d_V))
@@ -174,8 +174,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = t76 @ t29
     t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t79 = (2/(L*d_V*n_batch)) * t78
-    t80 = t77.sum((0,))
-    t75 += oe.contract('a,bc->bca', t79, t80, optimize=[(0, 1)])
+    t75 += (t77.sum((0,)).reshape((d_V**2, 1)) * t79.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -319,9 +318,9 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t0[...] = (t13 @ t14.permute(1, 0))
     return out
 
 
@@ -365,9 +364,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = t11.permute(1, 2, 0)
-    t14 = t12.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.permute(1, 2, 0)
+    t14 = t11.permute(1, 2, 0)
+    t0[...] = ((t13.reshape((d_V**2, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -417,7 +416,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
     t13 = t12.permute(1, 2, 0)
     t14 = t11.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_K*d_V, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -465,9 +464,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = t3 @ t9
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t12 = t10.permute(1, 2, 0)
-    t13 = t11.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t12, t13, optimize=[(0, 1)])
+    t12 = t11.permute(1, 2, 0)
+    t13 = t10.permute(1, 2, 0)
+    t0[...] = ((t12.reshape((d_V**2, n_batch)) @ t13.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -515,9 +514,9 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t0[...] = (t13 @ t14.permute(1, 0))
     return out
 
 
@@ -563,7 +562,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
     t13 = t12.permute(1, 2, 0)
     t14 = t11.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_K*d_V, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -611,9 +610,9 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = t11.permute(1, 2, 0)
-    t14 = t12.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.permute(1, 2, 0)
+    t14 = t11.permute(1, 2, 0)
+    t0[...] = ((t13.reshape((d_V**2, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -665,7 +664,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
     t14 = t13.permute(1, 2, 0)
     t15 = t12.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
+    t0[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -716,8 +715,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).permute(1, 0)
     return out
 
 
@@ -764,9 +762,9 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t3.transpose(-1, -2)
     t13 = t11 @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t15 = t13.permute(1, 2, 0)
-    t16 = t14.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
+    t15 = t14.permute(1, 2, 0)
+    t16 = t13.permute(1, 2, 0)
+    t0[...] = ((t15.reshape((d_V**2, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -822,7 +820,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
     t15 = t14.permute(1, 2, 0)
     t16 = t13.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -876,8 +874,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
+    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -935,50 +932,48 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = t17.sum((0,))
-    t3 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = t21.view((d_V, d_K, d_V, d_V))
-    t23 = t4 @ G
-    t24 = t6 @ X
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t26 = t25.permute(1, 2, 0)
-    t27 = t24.permute(1, 2, 0)
-    t22[...] = oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t17.transpose(-1, -2)
-    t32 = t31.sum((0,))
-    t30 += oe.contract('a,bc->bca', t19, t32, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t36 = t4 @ X
-    t37 = W_Q.transpose(-1, -2)
-    t38 = t37 @ t4
-    t39 = t38 @ G
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t41 = t39.permute(1, 2, 0)
-    t42 = t40.permute(1, 2, 0)
-    t35[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = t24.transpose(-1, -2)
-    t46 = t23.transpose(-1, -2)
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t48 = t47.permute(1, 2, 0)
-    t49 = t46.permute(1, 2, 0)
-    t44[...] = oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_V, d_V, d_K))
-    t52 = t39.transpose(-1, -2)
-    t53 = t52.permute(1, 2, 0)
-    t51[...] = oe.contract('abc,dec->daeb', t53, t42, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
+    t3 += (t17.sum((0,)).reshape((d_V**2, 1)) * t19.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t21 = t20.view((d_V, d_K, d_V, d_V))
+    t22 = t4 @ G
+    t23 = t6 @ X
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t25 = t24.permute(1, 2, 0)
+    t26 = t23.permute(1, 2, 0)
+    t21[...] = ((t25.reshape((d_V**2, n_batch)) @ t26.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t17.transpose(-1, -2)
+    t29 += (t30.sum((0,)).reshape((d_V**2, 1)) * t19.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31[...] = 0
+    t32 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t34 = t4 @ X
+    t35 = W_Q.transpose(-1, -2)
+    t36 = t35 @ t4
+    t37 = t36 @ G
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t39 = t38.permute(1, 2, 0)
+    t40 = t37.permute(1, 2, 0)
+    t33[...] = ((t39.reshape((d_V**2, n_batch)) @ t40.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t42 = t41.view((d_V, d_V, d_V, d_K))
+    t43 = t23.transpose(-1, -2)
+    t44 = t22.transpose(-1, -2)
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t46 = t45.permute(1, 2, 0)
+    t47 = t44.permute(1, 2, 0)
+    t42[...] = ((t46.reshape((d_K*d_V, n_batch)) @ t47.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = t37.transpose(-1, -2)
+    t51 = t50.permute(1, 2, 0)
+    t49[...] = ((t39.reshape((d_V**2, n_batch)) @ t51.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -1156,8 +1151,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t18 = t15.sum((0,))
-    t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
+    t1 += (t15.sum((0,)).reshape((d_V**2, 1)) * t17.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -1215,7 +1209,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
     t14 = t13.permute(1, 2, 0)
     t15 = t12.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t14, t15, optimize=[(0, 1)])
+    t0[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -1297,8 +1291,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t19 = t16.sum((0,))
-    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
+    t1 += (t16.sum((0,)).reshape((d_V**2, 1)) * t18.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -1377,9 +1370,9 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t4 @ G
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = t14.permute(1, 2, 0)
-    t17 = t15.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
+    t16 = t15.permute(1, 2, 0)
+    t17 = t14.permute(1, 2, 0)
+    t0[...] = ((t16.reshape((d_V**2, n_batch)) @ t17.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1460,7 +1453,7 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t15 = t14.permute(1, 2, 0)
     t16 = t13.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t15, t16, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -1519,9 +1512,9 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = t12 @ t13
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t16 = t14.permute(1, 2, 0)
-    t17 = t15.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
+    t16 = t15.permute(1, 2, 0)
+    t17 = t14.permute(1, 2, 0)
+    t0[...] = ((t16.reshape((d_V**2, n_batch)) @ t17.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1596,17 +1589,17 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = t9 @ t10
     t12 = t5 @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t3
-    t14 = t12.permute(1, 2, 0)
-    t15 = t13.permute(1, 2, 0)
-    t1[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
+    t14 = t13.permute(1, 2, 0)
+    t15 = t12.permute(1, 2, 0)
+    t1[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
     t19 = t11.transpose(-1, -2)
     t20 = t19 @ X
     t21 = (2/(L*d_K*d_V*n_batch)) * t2
-    t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
-    t23 = t20.permute(1, 2, 0)
+    t22 = t20.permute(1, 2, 0)
+    t23 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
     t24 = t17.diagonal(0, 1, 3)
     t25 = t18 @ t5
     t26 = (1/math.sqrt(d_K)) * t25
@@ -1621,21 +1614,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = ((t32.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t17[...] = oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
-    t24 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
+    t35 = (t32.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t17[...] = ((t22.reshape((d_K*d_V, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t24 += (t35.permute(1, 0).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
     t38 = t5 @ X
     t39 = T @ X
     t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t41 = ((W_V.permute(1, 0) @ t38.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
-    t42 = ((t39.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
+    t41 = ((t39.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
+    t42 = ((W_V.permute(1, 0) @ t38.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 = ((G.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
-    t45 = t38.permute(1, 2, 0)
-    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
-    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
+    t44 = t38.permute(1, 2, 0)
+    t45 = ((G.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
+    t37[...] = ((t41.reshape((d_V**2, n_batch)) @ t42.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t37 += ((t44.reshape((d_K*d_V, n_batch)) @ t45.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t47 = t46.view((d_V, d_K, d_V, d_K))
     t48 = t2 @ t27
@@ -1643,43 +1636,43 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t50 = t18.transpose(-1, -2)
     t51 = t50 @ X
     t52 = (2/(L*d_K*d_V*n_batch)) * t48
-    t53 = ((t49.permute(0, 2, 1) @ t52.permute(0, 2, 1))).permute(2, 1, 0)
-    t54 = t51.permute(1, 2, 0)
+    t53 = t51.permute(1, 2, 0)
+    t54 = ((t49.permute(0, 2, 1) @ t52.permute(0, 2, 1))).permute(2, 1, 0)
     t55 = t47.diagonal(0, 1, 3)
     t56 = G.transpose(-1, -2)
     t57 = t56 @ X
-    t58 = ((t57.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t48.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))).permute(1, 0)
-    t47[...] = oe.contract('abc,dec->adeb', t53, t54, optimize=[(0, 1)])
-    t55 += oe.contract('a,bc->bca', t34, t58, optimize=[(0, 1)])
+    t58 = (t57.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t48.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))
+    t47[...] = ((t53.reshape((d_K*d_V, n_batch)) @ t54.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t55 += (t58.permute(1, 0).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_K, d_V, d_K))
     t61 = t9 @ X
     t62 = t2 @ t61
     t63 = t50 @ t18
     t64 = (2/(L*d_K*d_V*n_batch)) * t62
-    t65 = t63.permute(1, 2, 0)
-    t66 = t64.permute(1, 2, 0)
-    t60[...] = oe.contract('abc,dec->daeb', t65, t66, optimize=[(0, 1)])
+    t65 = t64.permute(1, 2, 0)
+    t66 = t63.permute(1, 2, 0)
+    t60[...] = ((t65.reshape((d_V**2, n_batch)) @ t66.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_K, d_V, d_V))
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t70 = ((G.permute(0, 2, 1) @ t69.permute(0, 2, 1))).permute(2, 1, 0)
-    t71 = t3.permute(1, 2, 0)
+    t70 = t3.permute(1, 2, 0)
+    t71 = ((G.permute(0, 2, 1) @ t69.permute(0, 2, 1))).permute(2, 1, 0)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
     t73 = ((W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))).permute(2, 0, 1)
     t74 = ((t39.permute(0, 2, 1) @ t72.permute(0, 2, 1))).permute(2, 1, 0)
-    t68[...] = oe.contract('abc,dec->daeb', t70, t71, optimize=[(0, 1)])
-    t68 += oe.contract('abc,dec->adeb', t73, t74, optimize=[(0, 1)])
+    t68[...] = ((t70.reshape((d_V**2, n_batch)) @ t71.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t68 += ((t73.reshape((d_V**2, n_batch)) @ t74.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t76 = t75.view((d_V, d_V, d_V, d_K))
     t77 = T.transpose(-1, -2)
     t78 = t77 @ X
     t79 = t49.permute(1, 2, 0)
     t80 = ((t78.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
-    t81 = ((t10.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
-    t82 = t57.permute(1, 2, 0)
-    t76[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
-    t76 += oe.contract('abc,dec->adeb', t81, t82, optimize=[(0, 1)])
+    t81 = t57.permute(1, 2, 0)
+    t82 = ((t10.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
+    t76[...] = ((t79.reshape((d_K*d_V, n_batch)) @ t80.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t76 += ((t81.reshape((d_V**2, n_batch)) @ t82.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = t83.view((d_V, d_V, d_V, d_K))
     t85 = t56 @ t18
@@ -1687,10 +1680,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t87 = ((X.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
     t88 = t77 @ t18
     t89 = t48.transpose(-1, -2)
-    t90 = ((t88.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
-    t91 = t89.permute(1, 2, 0)
-    t84[...] = oe.contract('abc,dec->daeb', t86, t87, optimize=[(0, 1)])
-    t84 += oe.contract('abc,dec->adeb', t90, t91, optimize=[(0, 1)])
+    t90 = t89.permute(1, 2, 0)
+    t91 = ((t88.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
+    t84[...] = ((t86.reshape((d_K*d_V, n_batch)) @ t87.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t84 += ((t90.reshape((d_V**2, n_batch)) @ t91.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
     t93 = t92.view((d_V, d_V, d_V, d_V))
@@ -1699,8 +1692,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t39
     t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t99 = t96.sum((0,))
-    t94 += oe.contract('a,bc->bca', t98, t99, optimize=[(0, 1)])
+    t94 += (t96.sum((0,)).reshape((d_V**2, 1)) * t98.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -1914,9 +1906,9 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t0[...] = (t13 @ t14.permute(1, 0))
     return out
 
 
@@ -1960,9 +1952,9 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t8 @ t9
     t11 = t4 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t2
-    t13 = t11.permute(1, 2, 0)
-    t14 = t12.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.permute(1, 2, 0)
+    t14 = t11.permute(1, 2, 0)
+    t0[...] = ((t13.reshape((d_V**2, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2009,8 +2001,8 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t4 @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t12 = ((t2.permute(0, 2, 1) @ t11.permute(0, 2, 1))).permute(2, 1, 0)
-    t13 = t10.permute(1, 2, 0)
+    t12 = t10.permute(1, 2, 0)
+    t13 = ((t2.permute(0, 2, 1) @ t11.permute(0, 2, 1))).permute(2, 1, 0)
     t14 = t0.diagonal(0, 1, 3)
     t15 = t2 @ t4
     t16 = (1/math.sqrt(d_K)) * t15
@@ -2025,9 +2017,9 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = ((t22.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t12, t13, optimize=[(0, 1)])
-    t14 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
+    t25 = (t22.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t0[...] = ((t12.reshape((d_K*d_V, n_batch)) @ t13.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t14 += (t25.permute(1, 0).reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -2087,18 +2079,18 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t10 = ((W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
-    t11 = ((t8.permute(0, 2, 1) @ t9.permute(0, 2, 1))).permute(2, 1, 0)
+    t10 = ((t8.permute(0, 2, 1) @ t9.permute(0, 2, 1))).permute(2, 1, 0)
+    t11 = ((W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = ((G.permute(0, 2, 1) @ t15.permute(0, 2, 1))).permute(2, 1, 0)
-    t17 = t4.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t16, t17, optimize=[(0, 1)])
+    t16 = t4.permute(1, 2, 0)
+    t17 = ((G.permute(0, 2, 1) @ t15.permute(0, 2, 1))).permute(2, 1, 0)
+    t0[...] = ((t10.reshape((d_V**2, n_batch)) @ t11.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t16.reshape((d_K*d_V, n_batch)) @ t17.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2160,9 +2152,9 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = (oe.contract('abb->ab', t11)).permute(1, 0)
-    t14 = (oe.contract('abb->ab', t12)).permute(1, 0)
-    t0[...] = oe.contract('ab,cb->ca', t13, t14, optimize=[(0, 1)])
+    t13 = (oe.contract('abb->ab', t12)).permute(1, 0)
+    t14 = (oe.contract('abb->ab', t11)).permute(1, 0)
+    t0[...] = (t13 @ t14.permute(1, 0))
     return out
 
 
@@ -2204,8 +2196,8 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ t1
     t9 = t8 @ X
     t10 = (2/(L*d_K*d_V*n_batch)) * t3
-    t11 = ((t6.permute(0, 2, 1) @ t10.permute(0, 2, 1))).permute(2, 1, 0)
-    t12 = t9.permute(1, 2, 0)
+    t11 = t9.permute(1, 2, 0)
+    t12 = ((t6.permute(0, 2, 1) @ t10.permute(0, 2, 1))).permute(2, 1, 0)
     t13 = t0.diagonal(0, 1, 3)
     t14 = t8.transpose(-1, -2)
     t15 = t5.transpose(-1, -2)
@@ -2221,9 +2213,9 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = ((t22.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t3.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t11, t12, optimize=[(0, 1)])
-    t13 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
+    t25 = (t22.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t3.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))
+    t0[...] = ((t11.reshape((d_K*d_V, n_batch)) @ t12.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t13 += (t25.permute(1, 0).reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -2285,9 +2277,9 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = t9.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t7
-    t13 = t11.permute(1, 2, 0)
-    t14 = t12.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t13, t14, optimize=[(0, 1)])
+    t13 = t12.permute(1, 2, 0)
+    t14 = t11.permute(1, 2, 0)
+    t0[...] = ((t13.reshape((d_V**2, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2340,14 +2332,14 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t15 = ((G.permute(0, 2, 1) @ t14.permute(0, 2, 1))).permute(2, 1, 0)
-    t16 = t2.permute(1, 2, 0)
+    t15 = t2.permute(1, 2, 0)
+    t16 = ((G.permute(0, 2, 1) @ t14.permute(0, 2, 1))).permute(2, 1, 0)
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t19 = ((W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))).permute(2, 0, 1)
     t20 = ((t17.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_V**2, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t19.reshape((d_V**2, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -2413,8 +2405,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = oe.contract('abb->b', t10)
-    t0[...] = oe.contract('a,b->ba', t12, t13, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t12, t10)).permute(1, 0)
     return out
 
 
@@ -2471,10 +2462,10 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     t21 = t20 @ X
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t23 = ((t11.permute(0, 2, 1) @ t22.permute(0, 2, 1))).permute(2, 1, 0)
-    t24 = t21.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t14, t15, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t23, t24, optimize=[(0, 1)])
+    t23 = t21.permute(1, 2, 0)
+    t24 = ((t11.permute(0, 2, 1) @ t22.permute(0, 2, 1))).permute(2, 1, 0)
+    t0[...] = ((t14.reshape((d_K*d_V, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t23.reshape((d_V**2, n_batch)) @ t24.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2552,10 +2543,10 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t7.transpose(-1, -2)
     t20 = t19 @ X
     t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
-    t23 = t20.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t15, t16, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    t22 = t20.permute(1, 2, 0)
+    t23 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
+    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t22.reshape((d_V**2, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2623,8 +2614,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t14 = t11.sum((0,))
-    t1 += oe.contract('a,bc->bca', t13, t14, optimize=[(0, 1)])
+    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -3185,13 +3175,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t9).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t1[...] = ((t14.reshape((d_K**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
-    t19 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
-    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = t21.view((d_V, d_K, d_V, d_V))
     t23 = t18 @ t4
@@ -3201,10 +3191,10 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t6.transpose(-1, -2)
     t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t29 = ((t27.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t30 = (t28.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t31 = ((t30.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->eafb', t29, t31, optimize=[(0, 1)])
+    t29 = (t28.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t31 = ((t27.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t22[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t33 = t32.view((d_V, d_K, d_V, d_K))
     t34 = t18.transpose(-1, -2)
@@ -3215,31 +3205,31 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = (t38.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t40 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t41 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t33[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t33[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = ((t18.reshape((n_batch, L, d_K, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t45 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t43[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t44 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t45 = ((t18.reshape((n_batch, L, d_K, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t43[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = t46.view((d_V, d_K, d_V, d_V))
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = (t48.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t50 = ((t49.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t27).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t51 = ((t26.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t47[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t47[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = t26.transpose(-1, -2)
-    t55 = ((t9.reshape((n_batch, L, d_K, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t56 = (t28.reshape((L, L, 1)) * t54.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t57 = ((t56.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->eafb', t55, t57, optimize=[(0, 1)])
+    t55 = (t28.reshape((L, L, 1)) * t54.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t56 = ((t55.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t57 = ((t9.reshape((n_batch, L, d_K, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t53[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t59 = t58.view((d_V, d_V, d_V, d_K))
-    t60 = ((t56.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t60 = ((t55.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t61 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t59[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t59[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62[...] = 0
     t63 = t62.view((d_V, d_V, d_V, d_V))
@@ -3247,8 +3237,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t65 = t54 @ t26
     t66 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t67 = (2/(L*d_V*n_batch)) * t66
-    t68 = t65.sum((0,))
-    t64 += oe.contract('a,bc->bca', t67, t68, optimize=[(0, 1)])
+    t64 += (t65.sum((0,)).reshape((d_V**2, 1)) * t67.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -3408,12 +3397,12 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
-    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
-    t12 = (t8.permute(0, 2, 1).reshape((n_batch, d_K, L, 1)) * t3.reshape((n_batch, d_K, 1, L)))
-    t13 = ((t12.reshape((n_batch, d_K, L**2)) @ t11.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
-    t14 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t10 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t11 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t8.permute(0, 2, 1).reshape((n_batch, d_K, L, 1)) * t3.reshape((n_batch, d_K, 1, L)))
+    t14 = ((t13.reshape((n_batch, d_K, L**2)) @ t12.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
+    t0[...] = (t10.reshape((d_V, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -3463,7 +3452,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_K**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -3515,12 +3504,12 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t11 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
-    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
-    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
+    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t14 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3574,10 +3563,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = ((t9.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t12 = (t10.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t13 = ((t12.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
+    t11 = (t10.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t12 = ((t11.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t13 = ((t9.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3635,7 +3624,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t14 = (X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t1.reshape((n_batch, d_V, 1, L)))
     t15 = ((t14.reshape((n_batch, d_V, L**2)) @ t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
+    t0[...] = (t15.reshape((d_V, L*n_batch)) @ t11.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -3687,7 +3676,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t0[...] = ((t14.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -3741,12 +3730,12 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t12 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
-    t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
-    t14 = (t13.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t15 = ((t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
+    t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t15 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3807,7 +3796,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = (t13.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t15 = ((t14.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t5).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t16 = ((t12.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -3869,8 +3858,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13)
-    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t15, t13)).permute(1, 0)
     return out
 
 
@@ -3922,10 +3910,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t4.transpose(-1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = ((t13.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t16 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
+    t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t16 = ((t15.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((t13.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3990,7 +3978,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t16 = ((t15.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t13).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -4055,8 +4043,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = t14.sum((0,))
-    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
+    t1 += (t14.sum((0,)).reshape((d_V**2, 1)) * t16.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -4121,48 +4108,46 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = t19.sum((0,))
-    t3 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
-    t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = t23.view((d_V, d_K, d_V, d_V))
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t26 = (t25.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t27 = ((t26.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t28 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t24[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t19.transpose(-1, -2)
-    t33 = t32.sum((0,))
-    t31 += oe.contract('a,bc->bca', t21, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34[...] = 0
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = W_Q.transpose(-1, -2)
-    t38 = t37 @ t4
-    t39 = Mcausal.transpose(-1, -2)
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t41 = ((G.reshape((n_batch, L, d_V, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t42 = (t40.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t43 = ((t42.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t36[...] = oe.contract('abcd,efcd->eafb', t41, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = G.transpose(-1, -2)
-    t47 = t6.transpose(-1, -2)
-    t48 = ((t42.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t47).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t49 = ((X.reshape((n_batch, L, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t45[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_V, d_V, d_K))
-    t52 = t38.transpose(-1, -2)
-    t53 = ((t52.reshape((n_batch, L, d_K, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t51[...] = oe.contract('abcd,efcd->eafb', t53, t43, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
+    t3 += (t19.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = t22.view((d_V, d_K, d_V, d_V))
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t25 = (t24.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t23[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t19.transpose(-1, -2)
+    t30 += (t31.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t32 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32[...] = 0
+    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = t33.view((d_V, d_K, d_V, d_V))
+    t35 = W_Q.transpose(-1, -2)
+    t36 = t35 @ t4
+    t37 = Mcausal.transpose(-1, -2)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = (t38.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t40 = ((t39.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t41 = ((G.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t34[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t43 = t42.view((d_V, d_V, d_V, d_K))
+    t44 = G.transpose(-1, -2)
+    t45 = t6.transpose(-1, -2)
+    t46 = ((t39.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t45).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t47 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t43[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = t36.transpose(-1, -2)
+    t51 = ((t50.reshape((n_batch, L, d_K, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t49[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -4366,8 +4351,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = t17.sum((0,))
-    t1 += oe.contract('a,bc->bca', t19, t20, optimize=[(0, 1)])
+    t1 += (t17.sum((0,)).reshape((d_V**2, 1)) * t19.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -4429,7 +4413,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (t12.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t14 = ((t13.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -4521,8 +4505,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = t19.sum((0,))
-    t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
+    t1 += (t19.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -4606,10 +4589,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t17 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4700,7 +4683,7 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t14).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -4768,10 +4751,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = ((t14.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
+    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4856,12 +4839,12 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t9).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t1[...] = ((t14.reshape((d_K**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
-    t19 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t19 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = t17.diagonal(0, 1, 3)
     t22 = t18 @ t4
     t23 = (1/math.sqrt(d_K)) * t22
@@ -4878,9 +4861,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 @ X
     t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = ((t31.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t17[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t21 += oe.contract('a,bc->bca', t33, t34, optimize=[(0, 1)])
+    t34 = (t31.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t17[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t21 += (t34.permute(1, 0).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = t35.view((d_V, d_K, d_V, d_V))
     t37 = t24 @ X
@@ -4893,8 +4876,8 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t44 = (t43.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t45 = ((t44.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t46 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t36[...] = oe.contract('abcd,efcd->eafb', t40, t42, optimize=[(0, 1)])
-    t36 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t36[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t36 += ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t48 = t47.view((d_V, d_K, d_V, d_K))
     t49 = t18.transpose(-1, -2)
@@ -4909,46 +4892,46 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t58 = t29.transpose(-1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
-    t61 = ((t60.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t48[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 += oe.contract('a,bc->bca', t33, t61, optimize=[(0, 1)])
+    t61 = (t60.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t48[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t57 += (t61.permute(1, 0).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_K))
-    t64 = ((t18.reshape((n_batch, L, d_K, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t65 = ((t54.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t64 = ((t54.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t65 = ((t18.reshape((n_batch, L, d_K, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t63[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t67 = t66.view((d_V, d_K, d_V, d_V))
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t69 = ((G.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t70 = (t68.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t71 = ((t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t69 = (t68.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t70 = ((t69.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t71 = ((G.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
     t73 = (t72.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t74 = ((t39.permute(1, 0, 2) @ t73.permute(2, 0, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(3, 1, 0, 2)
     t75 = ((t37.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t67[...] = oe.contract('abcd,efcd->eafb', t69, t71, optimize=[(0, 1)])
-    t67 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t67 += ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t77 = t76.view((d_V, d_V, d_V, d_K))
     t78 = T.transpose(-1, -2)
     t79 = t50 * t78
-    t80 = (t38.permute(1, 0).reshape((L, L, 1)) * t6.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t81 = ((t80.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t82 = (t79.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t83 = ((t82.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t80 = (t79.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t81 = ((t80.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t82 = (t38.permute(1, 0).reshape((L, L, 1)) * t6.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t83 = ((t82.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t84 = G.transpose(-1, -2)
-    t85 = ((t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t85 = ((t69.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t86 = ((X.reshape((n_batch, L, d_V, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t77[...] = oe.contract('abcd,efcd->eafb', t81, t83, optimize=[(0, 1)])
-    t77 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t77[...] = ((t81.reshape((d_V**2, L*n_batch)) @ t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t77 += ((t85.reshape((d_K*d_V, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t88 = t87.view((d_V, d_V, d_V, d_K))
-    t89 = ((t82.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t90 = ((t80.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t89 = ((t80.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t90 = ((t82.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t91 = ((t18.reshape((n_batch, L, d_K, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t88[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
-    t88 += oe.contract('abcd,efcd->eafb', t91, t71, optimize=[(0, 1)])
+    t88[...] = ((t89.reshape((d_K*d_V, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t88 += ((t70.reshape((d_V**2, L*n_batch)) @ t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
     t93 = t92.view((d_V, d_V, d_V, d_V))
@@ -4957,8 +4940,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t37
     t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t99 = t96.sum((0,))
-    t94 += oe.contract('a,bc->bca', t98, t99, optimize=[(0, 1)])
+    t94 += (t96.sum((0,)).reshape((d_V**2, 1)) * t98.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -5213,12 +5195,12 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = t3.transpose(-1, -2)
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
-    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
-    t12 = (t8.permute(0, 2, 1).reshape((n_batch, d_K, L, 1)) * t3.reshape((n_batch, d_K, 1, L)))
-    t13 = ((t12.reshape((n_batch, d_K, L**2)) @ t11.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
-    t14 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t10 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t11 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t8.permute(0, 2, 1).reshape((n_batch, d_K, L, 1)) * t3.reshape((n_batch, d_K, 1, L)))
+    t14 = ((t13.reshape((n_batch, d_K, L**2)) @ t12.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
+    t0[...] = (t10.reshape((d_V, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -5268,7 +5250,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_K**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -5320,11 +5302,11 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t11 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
-    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
-    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
+    t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t14 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t15 = t0.diagonal(0, 1, 3)
     t16 = t8 @ t3
     t17 = (1/math.sqrt(d_K)) * t16
@@ -5341,9 +5323,9 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = ((t25.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t10, t14, optimize=[(0, 1)])
-    t15 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
+    t28 = (t25.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t15 += (t28.permute(1, 0).reshape((d_V**2, 1)) * t27.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -5428,8 +5410,8 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (t17.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t19 = ((t18.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t13, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t0[...] = ((t11.reshape((d_K*d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -5504,7 +5486,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t14 = (X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t1.reshape((n_batch, d_V, 1, L)))
     t15 = ((t14.reshape((n_batch, d_V, L**2)) @ t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)))).permute(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t11, t15, optimize=[(0, 1)])
+    t0[...] = (t15.reshape((d_V, L*n_batch)) @ t11.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -5575,9 +5557,9 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = ((t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t16 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
+    t32 = (t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t0[...] = ((t14.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t16 += (t32.permute(1, 0).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -5654,12 +5636,12 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = t3.transpose(-1, -2)
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t11 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t12 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
-    t13 = (t12.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
-    t14 = (t13.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t15 = ((t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t15, optimize=[(0, 1)])
+    t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
+    t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
+    t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t15 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5721,17 +5703,17 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t17 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t19 = t10 @ X
     t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t21 = (t20.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t22 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = ((t22.permute(1, 0, 2) @ t21.permute(2, 0, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(3, 1, 0, 2)
     t24 = ((t19.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t18, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -5812,8 +5794,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t16 = oe.contract('abb->b', t13)
-    t0[...] = oe.contract('a,b->ba', t15, t16, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t15, t13)).permute(1, 0)
     return out
 
 
@@ -5864,10 +5845,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = t4.transpose(-1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t14 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t15 = ((t14.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t16 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t17 = ((t16.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t14 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t15 = ((t14.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t16 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t18 = Mcausal * T
     t19 = t11.transpose(-1, -2)
     t20 = t18 @ t19
@@ -5880,8 +5861,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t0 += ((t26.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -5974,11 +5955,11 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t22
     t23 = G.transpose(-1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t25 = ((t12.reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t26 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t27 = ((t26.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t17, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t25, t27, optimize=[(0, 1)])
+    t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t27 = ((t12.reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6062,8 +6043,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t17 = t14.sum((0,))
-    t1 += oe.contract('a,bc->bca', t16, t17, optimize=[(0, 1)])
+    t1 += (t14.sum((0,)).reshape((d_V**2, 1)) * t16.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -6732,14 +6712,14 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t20 = ((t19.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t1[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = t21.view((d_V, d_K, d_V, d_K))
     t23 = X @ W_Q
@@ -6747,16 +6727,16 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
-    t28 = ((t27.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
+    t28 = ((t27.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t22[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t30 = t29.view((d_V, d_K, d_V, d_V))
     t31 = T @ X
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t34 = ((t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t35 = ((t31.reshape((n_batch, L, d_V, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t30[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t33 = ((t31.reshape((n_batch, L, d_V, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t35 = ((t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t30[...] = ((t33.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = t36.view((d_V, d_K, d_V, d_K))
     t38 = t25.transpose(-1, -2)
@@ -6765,40 +6745,40 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t41 = t40.sum(-2, keepdim=True)
     t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
     t43 = (1/(L*d_K*n_batch)) * t39
-    t44 = (t42.reshape((n_batch, d_V, L, 1)) * t38.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
-    t45 = ((t18.permute(0, 2, 1, 3) @ t44.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t37[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t44 = ((X.reshape((n_batch, L, d_V, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t45 = (t42.reshape((n_batch, d_V, L, 1)) * t38.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t46 = ((t19.permute(0, 2, 1, 3) @ t45.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t37[...] = ((t44.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = t47.view((d_V, d_K, d_V, d_K))
     t49 = ((t23.reshape((n_batch, L, d_K, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t50 = ((t27.permute(0, 2, 1, 3) @ t44.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t50 = ((t27.permute(0, 2, 1, 3) @ t45.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t48[...] = ((t49.reshape((d_K**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52 = t51.view((d_V, d_K, d_V, d_V))
     t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t54 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t55 = ((t54.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t38.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t56 = ((t31.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t52[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t54 = ((t31.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t55 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t56 = ((t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t38.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t52[...] = ((t54.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
     t59 = t31.transpose(-1, -2)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
-    t61 = ((t33.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t62 = ((X.reshape((n_batch, L, d_V, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t58[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t61 = ((X.reshape((n_batch, L, d_V, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t62 = ((t34.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t58[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t64 = t63.view((d_V, d_V, d_V, d_K))
     t65 = ((t23.reshape((n_batch, L, d_K, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t66 = ((t33.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t64[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t66 = ((t34.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t64[...] = ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_V, d_V, d_V))
     t69 = (1/(L*n_batch)) * t59
     t70 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t71 = ((t31.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t68[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -6873,7 +6853,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6970,14 +6950,14 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t18 = ((t17.reshape((n_batch, d_K, L, 1, d_V)) @ t16.permute(0, 3, 2, 1).reshape((n_batch, d_K, L, d_V, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
-    t19 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t16 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t17 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t19 = (t18.permute(1, 0, 2, 3).reshape((d_K, n_batch, L, 1, d_V)) @ t17.permute(3, 0, 2, 1).reshape((d_K, n_batch, L, d_V, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t16.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -7003,7 +6983,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = (t13 @ t4)
@@ -7036,14 +7016,14 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t18 = ((t17.permute(0, 2, 1, 3) @ t16.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7069,7 +7049,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7107,7 +7087,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
@@ -7116,7 +7096,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t19 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t20 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t21 = ((t20.permute(0, 2, 1, 3) @ t19.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -7142,7 +7122,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
@@ -7182,13 +7162,13 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
-    t18 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7214,7 +7194,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
@@ -7254,14 +7234,14 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
-    t22 = ((t21.reshape((n_batch, d_V, L, 1, d_V)) @ t20.permute(0, 3, 2, 1).reshape((n_batch, d_V, L, d_V, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
+    t22 = (t21.permute(1, 0, 2, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t20.permute(3, 0, 2, 1).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t22.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -7290,7 +7270,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t18 = (t16 @ t2)
@@ -7326,16 +7306,16 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
-    t22 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t23 = ((t22.permute(0, 2, 1, 3) @ t21.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t22 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t23 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t24 = ((t23.permute(0, 2, 1, 3) @ t22.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7364,7 +7344,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
@@ -7407,14 +7387,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
+    t0[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -7443,7 +7423,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7484,13 +7464,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t20 = ((t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t21 = ((t17.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t19 = ((t17.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t0[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7519,7 +7499,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
@@ -7557,11 +7537,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
-    t17 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t0[...] = (t16.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -7588,7 +7568,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -7619,16 +7599,16 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = t3.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = ((t20.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = ((t21.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7655,7 +7635,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
@@ -7696,7 +7676,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = X @ W_Q
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t1
@@ -7705,7 +7685,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t20 = ((t15.reshape((n_batch, L, d_K, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t22, optimize=[(0, 1)])
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -7732,7 +7712,7 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
@@ -7773,11 +7753,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -7804,7 +7784,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7852,50 +7832,48 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = t21.sum((0,))
-    t3 += oe.contract('a,bc->bca', t23, t24, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    t27 = t4 @ G
-    t28 = t8 @ X
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t30 = t29.permute(1, 2, 0)
-    t31 = t28.permute(1, 2, 0)
-    t26[...] = oe.contract('abc,dec->adeb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = t21.transpose(-1, -2)
-    t36 = t35.sum((0,))
-    t34 += oe.contract('a,bc->bca', t23, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t40 = t4 @ X
-    t41 = W_Q.transpose(-1, -2)
-    t42 = t41 @ t4
-    t43 = t42 @ G
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t45 = t43.permute(1, 2, 0)
-    t46 = t44.permute(1, 2, 0)
-    t39[...] = oe.contract('abc,dec->daeb', t45, t46, optimize=[(0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = t28.transpose(-1, -2)
-    t50 = t27.transpose(-1, -2)
-    t51 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t52 = t51.permute(1, 2, 0)
-    t53 = t50.permute(1, 2, 0)
-    t48[...] = oe.contract('abc,dec->adeb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = t43.transpose(-1, -2)
-    t57 = t56.permute(1, 2, 0)
-    t55[...] = oe.contract('abc,dec->daeb', t57, t46, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58[...] = 0
+    t3 += (t21.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = t24.view((d_V, d_K, d_V, d_V))
+    t26 = t4 @ G
+    t27 = t8 @ X
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t29 = t28.permute(1, 2, 0)
+    t30 = t27.permute(1, 2, 0)
+    t25[...] = ((t29.reshape((d_V**2, n_batch)) @ t30.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31[...] = 0
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t32.diagonal(0, 1, 3)
+    t34 = t21.transpose(-1, -2)
+    t33 += (t34.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35[...] = 0
+    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t38 = t4 @ X
+    t39 = W_Q.transpose(-1, -2)
+    t40 = t39 @ t4
+    t41 = t40 @ G
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t43 = t42.permute(1, 2, 0)
+    t44 = t41.permute(1, 2, 0)
+    t37[...] = ((t43.reshape((d_V**2, n_batch)) @ t44.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = t27.transpose(-1, -2)
+    t48 = t26.transpose(-1, -2)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t50 = t49.permute(1, 2, 0)
+    t51 = t48.permute(1, 2, 0)
+    t46[...] = ((t50.reshape((d_K*d_V, n_batch)) @ t51.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = t41.transpose(-1, -2)
+    t55 = t54.permute(1, 2, 0)
+    t53[...] = ((t43.reshape((d_V**2, n_batch)) @ t55.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -8088,8 +8066,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = t19.sum((0,))
-    t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
+    t1 += (t19.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -8157,7 +8134,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
     t18 = t17.permute(1, 2, 0)
     t19 = t16.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -8249,8 +8226,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t23 = t20.sum((0,))
-    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
+    t1 += (t20.sum((0,)).reshape((d_V**2, 1)) * t22.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -8339,9 +8315,9 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t4 @ G
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = t18.permute(1, 2, 0)
-    t21 = t19.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t20 = t19.permute(1, 2, 0)
+    t21 = t18.permute(1, 2, 0)
+    t0[...] = ((t20.reshape((d_V**2, n_batch)) @ t21.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8432,7 +8408,7 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t19 = t18.permute(1, 2, 0)
     t20 = t17.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->adeb', t19, t20, optimize=[(0, 1)])
+    t0[...] = ((t19.reshape((d_K*d_V, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -8501,9 +8477,9 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = X @ W_Q
     t18 = t16 @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t20 = t18.permute(1, 2, 0)
-    t21 = t19.permute(1, 2, 0)
-    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t20 = t19.permute(1, 2, 0)
+    t21 = t18.permute(1, 2, 0)
+    t0[...] = ((t20.reshape((d_V**2, n_batch)) @ t21.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8587,14 +8563,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t20 = ((t19.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t1[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = t21.view((d_V, d_K, d_V, d_K))
     t23 = X @ W_Q
@@ -8602,7 +8578,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
-    t28 = ((t27.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t28 = ((t27.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t29 = t22.diagonal(0, 1, 3)
     F = t12
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -8615,23 +8591,23 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = ((t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t22[...] = oe.contract('abcd,efcd->aefb', t26, t28, optimize=[(0, 1)])
-    t29 += oe.contract('a,bc->bca', t38, t39, optimize=[(0, 1)])
+    t39 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t22[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t29 += (t39.permute(1, 0).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = t40.view((d_V, d_K, d_V, d_V))
     t42 = t4 @ X
     t43 = T @ X
     t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t46 = (W_V.permute(1, 0) @ t42.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-    t47 = ((t46.permute(1, 2, 0) @ t45.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
-    t48 = ((t43.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45 = ((t43.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t47 = (W_V.permute(1, 0) @ t42.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t48 = ((t47.permute(1, 2, 0) @ t46.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t50 = ((G.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
-    t51 = t42.permute(1, 2, 0)
-    t41[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t41 += oe.contract('abc,dec->adeb', t50, t51, optimize=[(0, 1)])
+    t50 = t42.permute(1, 2, 0)
+    t51 = ((G.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
+    t41[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t41 += ((t50.reshape((d_K*d_V, n_batch)) @ t51.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
     t54 = t25.transpose(-1, -2)
@@ -8640,62 +8616,62 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56.sum(-2, keepdim=True)
     t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
     t59 = (1/(L*d_K*n_batch)) * t55
-    t60 = (t58.reshape((n_batch, d_V, L, 1)) * t54.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
-    t61 = ((t18.permute(0, 2, 1, 3) @ t60.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t62 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t61 = (t58.reshape((n_batch, d_V, L, 1)) * t54.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t62 = ((t19.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t63 = t53.diagonal(0, 1, 3)
     t64 = G.transpose(-1, -2)
     t65 = (t64.permute(0, 2, 1) @ t54.permute(0, 2, 1))
-    t66 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t65.reshape((L*n_batch, d_V)))).permute(1, 0)
-    t53[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
-    t63 += oe.contract('a,bc->bca', t38, t66, optimize=[(0, 1)])
+    t66 = (t65.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+    t53[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t63 += (t66.reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = t67.view((d_V, d_K, d_V, d_K))
     t69 = ((t23.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t70 = ((t27.permute(0, 2, 1, 3) @ t60.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t70 = ((t27.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t68[...] = ((t69.reshape((d_K**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t72 = t71.view((d_V, d_K, d_V, d_V))
     t73 = t2 @ X
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t75 = ((G.permute(0, 2, 1) @ t74.permute(0, 2, 1))).permute(2, 1, 0)
-    t76 = t73.permute(1, 2, 0)
+    t75 = t73.permute(1, 2, 0)
+    t76 = ((G.permute(0, 2, 1) @ t74.permute(0, 2, 1))).permute(2, 1, 0)
     t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t78 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t79 = (W_V.permute(1, 0) @ t73.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
-    t80 = ((t79.permute(1, 2, 0) @ t78.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
-    t81 = ((t43.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t72[...] = oe.contract('abc,dec->daeb', t75, t76, optimize=[(0, 1)])
-    t72 += oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
+    t78 = ((t43.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t79 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t80 = (W_V.permute(1, 0) @ t73.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t81 = ((t80.permute(1, 2, 0) @ t79.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
+    t72[...] = ((t75.reshape((d_V**2, n_batch)) @ t76.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t72 += ((t78.reshape((d_K*d_V, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t83 = t82.view((d_V, d_V, d_V, d_K))
     t84 = t4.transpose(-1, -2)
     t85 = t64 @ X
-    t86 = ((t84.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
-    t87 = t85.permute(1, 2, 0)
+    t86 = t85.permute(1, 2, 0)
+    t87 = ((t84.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
     t88 = T.transpose(-1, -2)
     t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
-    t90 = ((t45.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t90 = ((t46.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t91 = (t89.permute(0, 2, 1) @ t2.permute(0, 2, 1))
     t92 = ((t91.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t83[...] = oe.contract('abc,dec->adeb', t86, t87, optimize=[(0, 1)])
-    t83 += oe.contract('abcd,efcd->eafb', t90, t92, optimize=[(0, 1)])
+    t83[...] = ((t86.reshape((d_V**2, n_batch)) @ t87.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t83 += ((t90.reshape((d_K*d_V, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t94 = t93.view((d_V, d_V, d_V, d_K))
     t95 = t64 @ t23
     t96 = t95.permute(1, 2, 0)
     t97 = ((X.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
-    t98 = ((t91.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t99 = ((t45.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t94[...] = oe.contract('abc,dec->daeb', t96, t97, optimize=[(0, 1)])
-    t94 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t98 = ((t46.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t99 = ((t91.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t94[...] = ((t96.reshape((d_K*d_V, n_batch)) @ t97.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t94 += ((t98.reshape((d_V**2, L*n_batch)) @ t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = t100.view((d_V, d_V, d_V, d_V))
     t102 = t43.transpose(-1, -2)
     t103 = (1/(L*n_batch)) * t102
     t104 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t105 = ((t43.reshape((n_batch, L, d_V, 1)) * t103.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t101[...] = oe.contract('abcd,efcd->eafb', t104, t105, optimize=[(0, 1)])
+    t101[...] = ((t104.reshape((d_V**2, L*n_batch)) @ t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -8794,7 +8770,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8952,14 +8928,14 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t18 = ((t17.reshape((n_batch, d_K, L, 1, d_V)) @ t16.permute(0, 3, 2, 1).reshape((n_batch, d_K, L, d_V, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
-    t19 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t16 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t17 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t19 = (t18.permute(1, 0, 2, 3).reshape((d_K, n_batch, L, 1, d_V)) @ t17.permute(3, 0, 2, 1).reshape((d_K, n_batch, L, d_V, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t16.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -8985,7 +8961,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = (t13 @ t4)
@@ -9018,14 +8994,14 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t18 = ((t17.permute(0, 2, 1, 3) @ t16.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9051,7 +9027,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9089,7 +9065,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
@@ -9110,9 +9086,9 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = ((t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t21, optimize=[(0, 1)])
-    t22 += oe.contract('a,bc->bca', t31, t32, optimize=[(0, 1)])
+    t32 = (t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t22 += (t32.permute(1, 0).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -9149,7 +9125,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t21.reshape((d_V, d_V, 1)) * A20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A20.reshape((n_batch, L, d_V, 1)) * A20.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t21.reshape((d_V, d_V, 1)) * A20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A20.reshape((n_batch, L, d_V, 1)) * A20.reshape((n_batch, L, 1, d_V)))
     t22 = X @ W_Q
     t23 = t14 @ X
     t24 = (t22 @ t18)
@@ -9193,13 +9169,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t17 = (W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-    t18 = ((t17.permute(1, 2, 0) @ t16.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
-    t19 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+    t19 = ((t18.permute(1, 2, 0) @ t17.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
     F = t11
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
@@ -9208,10 +9184,10 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/L) * t23
     G = t24
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t26 = ((G.permute(0, 2, 1) @ t25.permute(0, 2, 1))).permute(2, 1, 0)
-    t27 = t4.permute(1, 2, 0)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
+    t26 = t4.permute(1, 2, 0)
+    t27 = ((G.permute(0, 2, 1) @ t25.permute(0, 2, 1))).permute(2, 1, 0)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t26.reshape((d_K*d_V, n_batch)) @ t27.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -9237,7 +9213,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = (W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9292,14 +9268,14 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
-    t22 = ((t21.reshape((n_batch, d_V, L, 1, d_V)) @ t20.permute(0, 3, 2, 1).reshape((n_batch, d_V, L, d_V, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t19, t22, optimize=[(0, 1)])
+    t22 = (t21.permute(1, 0, 2, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t20.permute(3, 0, 2, 1).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t22.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -9328,7 +9304,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t18 = (t16 @ t2)
@@ -9364,15 +9340,15 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
-    t22 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
-    t23 = ((t22.permute(0, 2, 1, 3) @ t21.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t22 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+    t23 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+    t24 = ((t23.permute(0, 2, 1, 3) @ t22.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t25 = t0.diagonal(0, 1, 3)
     t26 = Y.sum(-1, keepdim=True)
     t27 = t26.expand(*t26.shape[:-1], d_V)
@@ -9387,9 +9363,9 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t36 = (t33.permute(0, 2, 1) @ t3.permute(0, 2, 1))
-    t37 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t36.reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
-    t25 += oe.contract('a,bc->bca', t35, t37, optimize=[(0, 1)])
+    t37 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t25 += (t37.reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -9431,7 +9407,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t27 = t1.transpose(-1, -2)
     t28 = t6.transpose(-1, -2)
     t29 = t27 @ t28
@@ -9477,14 +9453,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t22, optimize=[(0, 1)])
+    t0[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -9513,7 +9489,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9557,8 +9533,8 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/L) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t19 = ((G.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
-    t20 = t2.permute(1, 2, 0)
+    t19 = t2.permute(1, 2, 0)
+    t20 = ((G.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
     t21 = Y.transpose(-1, -2)
     t22 = t21.sum(-2, keepdim=True)
     t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
@@ -9566,15 +9542,15 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t29 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t30 = (W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
-    t31 = ((t30.permute(1, 2, 0) @ t29.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
-    t32 = ((t27.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t29 = ((t27.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t31 = (W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+    t32 = ((t31.permute(1, 2, 0) @ t30.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
+    t0[...] = ((t19.reshape((d_V**2, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t29.reshape((d_K*d_V, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -9616,7 +9592,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t29 = (t27.reshape((L*n_batch, d_V)) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
@@ -9659,11 +9635,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
-    t17 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t0[...] = (t16.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -9690,7 +9666,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -9725,14 +9701,14 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = t15 @ X
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t18 = ((t2.permute(0, 2, 1) @ t17.permute(0, 2, 1))).permute(2, 1, 0)
-    t19 = t16.permute(1, 2, 0)
+    t18 = t16.permute(1, 2, 0)
+    t19 = ((t2.permute(0, 2, 1) @ t17.permute(0, 2, 1))).permute(2, 1, 0)
     t20 = T.transpose(-1, -2)
     t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
     t24 = t9.transpose(-1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
@@ -9740,8 +9716,8 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = ((t27.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t29 = (t26.permute(0, 2, 1) @ t1.permute(0, 2, 1))
     t30 = ((t29.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t30, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t0 += ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -9780,7 +9756,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
     t24 = t8.transpose(-1, -2)
     t25 = t24 @ t1
     t26 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9837,16 +9813,16 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
     t25 = t9.transpose(-1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
-    t28 = (t27.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t29 = ((t28.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t31 = ((t30.reshape((n_batch, L*d_V, d_V)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abc,dec->daeb', t19, t20, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t31, optimize=[(0, 1)])
+    t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = ((t28.reshape((n_batch, L*d_V, d_V)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t30 = (t27.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t31 = ((t30.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t0[...] = ((t19.reshape((d_K*d_V, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t29.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -9886,7 +9862,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
     t25 = t8.transpose(-1, -2)
     t26 = t25 @ X
     t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9931,11 +9907,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -9962,7 +9938,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9995,7 +9971,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10033,7 +10009,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
@@ -10091,7 +10067,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
@@ -10148,7 +10124,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
@@ -10212,7 +10188,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10253,7 +10229,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
@@ -10311,7 +10287,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
@@ -10372,7 +10348,7 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
@@ -10433,7 +10409,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10544,38 +10520,38 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t26 = X.permute(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t18 = X.permute(2, 0, 1)
+    t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
+    t26 = ((t25.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t1[...] = ((t18.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
     t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t28 = t27.view((d_V, d_K, d_V, d_K))
     t29 = X @ W_Q
     t30 = t29.permute(2, 0, 1)
-    t31 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+    t31 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
     t32 = ((t31.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
+    t28[...] = (t32.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
     t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t34 = t33.view((d_V, d_K, d_V, d_V))
     t35 = t11 @ X
     t36 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t37 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t38 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t39 = (t38.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t36.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t40 = (t39.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t41 = ((t40.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
-    t42 = t35.permute(2, 0, 1)
-    t34[...] = oe.contract('abcde,fde->abfc', t41, t42, optimize=[(0, 1)])
+    t37 = t35.permute(2, 0, 1)
+    t38 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t39 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t40 = (t39.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t36.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t41 = (t40.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t42 = ((t41.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t34[...] = ((t37.reshape((d_V, L*n_batch)) @ t42.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
     t45 = t29.transpose(-1, -2)
@@ -10584,19 +10560,19 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = t47.sum(-2, keepdim=True)
     t49 = t48.expand(*t48.shape[:-2], d_V, t48.shape[-1])
     t50 = (1/(L*d_K*n_batch)) * t46
-    t51 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t51 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t52 = (t51.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t53 = (t52.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t50.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t54 = (t53.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t55 = (t54.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t56 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
     t57 = ((t56.reshape((n_batch, L, d_K*d_V, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t44[...] = oe.contract('abcde,fde->abfc', t57, t26, optimize=[(0, 1)])
+    t44[...] = ((t18.reshape((d_V, L*n_batch)) @ t57.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t59 = t58.view((d_V, d_K, d_V, d_K))
     t60 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t61 = ((t60.reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t59[...] = oe.contract('abc,defbc->defa', t30, t61, optimize=[(0, 1)])
+    t59[...] = (t61.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
     t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t63 = t62.view((d_V, d_K, d_V, d_V))
     t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t46
@@ -10605,26 +10581,26 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t67 = (t66.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t64.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t68 = (t67.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t69 = ((t68.reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
-    t63[...] = oe.contract('abcde,fde->abfc', t69, t42, optimize=[(0, 1)])
+    t63[...] = ((t37.reshape((d_V, L*n_batch)) @ t69.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t71 = t70.view((d_V, d_V, d_V, d_K))
     t72 = t35.transpose(-1, -2)
-    t73 = (t18.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t36.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t73 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t36.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t74 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
     t75 = (t7.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t76 = ((t75.reshape((n_batch, L, d_V, d_V, 1)) * t74.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
-    t71[...] = oe.contract('abcde,fde->abfc', t76, t26, optimize=[(0, 1)])
+    t71[...] = ((t18.reshape((d_V, L*n_batch)) @ t76.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_V, d_K))).permute(1, 2, 0, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t78 = t77.view((d_V, d_V, d_V, d_K))
     t79 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t80 = ((t75.reshape((n_batch, L, d_V, d_V, 1)) * t79.reshape((n_batch, L, d_V, 1, d_V)))).permute(3, 2, 4, 0, 1)
-    t78[...] = oe.contract('abc,defbc->defa', t30, t80, optimize=[(0, 1)])
+    t78[...] = (t80.reshape((d_V**3, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_V, d_V, d_K))
     t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t82 = t81.view((d_V, d_V, d_V, d_V))
     t83 = (1/(L*n_batch)) * t72
     t84 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t85 = ((t35.reshape((n_batch, L, d_V, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t82[...] = oe.contract('abcd,efcd->eafb', t84, t85, optimize=[(0, 1)])
+    t82[...] = ((t84.reshape((d_V**2, L*n_batch)) @ t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -10706,7 +10682,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -10815,19 +10791,19 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t23 = ((t22.permute(0, 3, 1, 2) @ t15.permute(0, 2, 1).reshape((n_batch, d_K, L, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
-    t24 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t17 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(3, 0, 1, 2) @ t15.permute(2, 0, 1).reshape((d_K, n_batch, L, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -10854,7 +10830,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -10893,20 +10869,20 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t25 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t17 = X.permute(2, 0, 1)
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t0[...] = ((t17.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
     return out
 
 
@@ -10933,7 +10909,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -10979,7 +10955,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10992,7 +10968,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
     t25 = ((t24.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
+    t0[...] = (t25.reshape((d_K*d_V**2, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
     return out
 
 
@@ -11019,7 +10995,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11065,16 +11041,16 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t18 = (t17.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t19 = (t18.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t20 = ((t19.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
-    t21 = t14.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
+    t16 = t14.permute(2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t21 = ((t20.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t21.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     return out
 
 
@@ -11101,7 +11077,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -11146,7 +11122,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
@@ -11156,8 +11132,8 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t27 = ((t26.permute(0, 3, 1, 2) @ X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
+    t27 = (t26.permute(3, 0, 1, 2) @ X.permute(2, 0, 1).reshape((d_V, n_batch, L, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t27.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -11188,7 +11164,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11230,20 +11206,20 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t28 = ((t27.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t29 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
+    t21 = X.permute(2, 0, 1)
+    t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t27 = (t26.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t28 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
+    t29 = ((t28.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
+    t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t29.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
     return out
 
 
@@ -11274,7 +11250,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11324,7 +11300,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.permute(2, 0, 1)
@@ -11336,7 +11312,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = ((t27.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
+    t0[...] = (t28.reshape((d_K*d_V**2, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
     return out
 
 
@@ -11367,7 +11343,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11416,16 +11392,16 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t23 = (t22.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t24 = ((t23.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
-    t25 = t18.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t20 = t18.permute(2, 0, 1)
+    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t23.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t25 = ((t24.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
+    t0[...] = ((t20.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     return out
 
 
@@ -11456,7 +11432,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -11500,11 +11476,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
-    t19 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t18 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
+    t19 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
+    t0[...] = (t18.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -11534,7 +11510,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -11568,18 +11544,18 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t4.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t23 = (t22.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t24 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t25 = ((t24.reshape((n_batch, L, d_V, d_V, 1)) * t23.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
-    t26 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t21 = X.permute(2, 0, 1)
+    t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
+    t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t26 = ((t25.reshape((n_batch, L, d_V, d_V, 1)) * t24.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
+    t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_V, d_K))).permute(1, 2, 0, 3)
     return out
 
 
@@ -11609,7 +11585,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
@@ -11655,7 +11631,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
@@ -11666,7 +11642,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t26 = ((t25.reshape((n_batch, L, d_V, d_V, 1)) * t24.reshape((n_batch, L, d_V, 1, d_V)))).permute(3, 2, 4, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t21, t26, optimize=[(0, 1)])
+    t0[...] = (t26.reshape((d_V**3, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_V, d_V, d_K))
     return out
 
 
@@ -11696,7 +11672,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -11742,11 +11718,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -11776,7 +11752,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11827,48 +11803,46 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = t23.sum((0,))
-    t3 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t30 = (t29.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t31 = ((t30.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t23.transpose(-1, -2)
-    t37 = t36.sum((0,))
-    t35 += oe.contract('a,bc->bca', t25, t37, optimize=[(0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38[...] = 0
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t41 = W_Q.transpose(-1, -2)
-    t42 = t41 @ t4
-    t43 = Mcausal.transpose(-1, -2)
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t45 = ((G.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t46 = (t44.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t47 = ((t46.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t40[...] = oe.contract('abcd,efcd->eafb', t45, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t50 = G.transpose(-1, -2)
-    t51 = t8.transpose(-1, -2)
-    t52 = ((t46.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t51).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t53 = ((X.reshape((n_batch, L, d_V, 1)) * t50.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t49[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = t42.transpose(-1, -2)
-    t57 = ((t56.reshape((n_batch, L, d_K, 1)) * t50.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t55[...] = oe.contract('abcd,efcd->eafb', t57, t47, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58[...] = 0
+    t3 += (t23.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t29 = (t28.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t27[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t23.transpose(-1, -2)
+    t34 += (t35.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36[...] = 0
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = W_Q.transpose(-1, -2)
+    t40 = t39 @ t4
+    t41 = Mcausal.transpose(-1, -2)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t43 = (t42.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t44 = ((t43.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t45 = ((G.reshape((n_batch, L, d_V, 1)) * t40.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t38[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t48 = G.transpose(-1, -2)
+    t49 = t8.transpose(-1, -2)
+    t50 = ((t43.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t49).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t51 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t47[...] = ((t50.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = t40.transpose(-1, -2)
+    t55 = ((t54.reshape((n_batch, L, d_K, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t53[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -12087,8 +12061,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = t21.sum((0,))
-    t1 += oe.contract('a,bc->bca', t23, t24, optimize=[(0, 1)])
+    t1 += (t21.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -12160,7 +12133,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (t16.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -12262,8 +12235,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t26 = t23.sum((0,))
-    t1 += oe.contract('a,bc->bca', t25, t26, optimize=[(0, 1)])
+    t1 += (t23.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -12357,10 +12329,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t21 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t22 = ((t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
+    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t22 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -12461,7 +12433,7 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -12539,10 +12511,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t22 = ((t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
+    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t22 = ((t18.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -12634,25 +12606,25 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t26 = X.permute(2, 0, 1)
-    t1[...] = oe.contract('abcde,fde->abfc', t25, t26, optimize=[(0, 1)])
+    t18 = X.permute(2, 0, 1)
+    t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
+    t26 = ((t25.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t1[...] = ((t18.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
     t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t28 = t27.view((d_V, d_K, d_V, d_K))
     t29 = X @ W_Q
     t30 = t29.permute(2, 0, 1)
-    t31 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+    t31 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
     t32 = ((t31.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
     t33 = t28.diagonal(0, 1, 3)
     F = t12
@@ -12667,26 +12639,26 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = t40 @ X
     t42 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t44 = ((t41.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t28[...] = oe.contract('abc,defbc->defa', t30, t32, optimize=[(0, 1)])
-    t33 += oe.contract('a,bc->bca', t43, t44, optimize=[(0, 1)])
+    t44 = (t41.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t28[...] = (t32.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
+    t33 += (t44.permute(1, 0).reshape((d_V**2, 1)) * t43.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t46 = t45.view((d_V, d_K, d_V, d_V))
     t47 = t11 @ X
     t48 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t49 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t50 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t51 = (t50.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t49.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t52 = (t51.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t53 = (t52.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t54 = ((t53.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
-    t55 = t47.permute(2, 0, 1)
+    t49 = t47.permute(2, 0, 1)
+    t50 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t51 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t52 = (t51.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t50.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t53 = (t52.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t54 = (t53.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t55 = ((t54.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
     t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t57 = (t56.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t58 = ((t57.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t59 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t46[...] = oe.contract('abcde,fde->abfc', t54, t55, optimize=[(0, 1)])
-    t46 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t46[...] = ((t49.reshape((d_V, L*n_batch)) @ t55.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+    t46 += ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t61 = t60.view((d_V, d_K, d_V, d_K))
     t62 = t29.transpose(-1, -2)
@@ -12695,7 +12667,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = t64.sum(-2, keepdim=True)
     t66 = t65.expand(*t65.shape[:-2], d_V, t65.shape[-1])
     t67 = (1/(L*d_K*n_batch)) * t63
-    t68 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t68 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t69 = (t68.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t70 = (t69.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t67.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t71 = (t70.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
@@ -12706,57 +12678,57 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t76 = t39.transpose(-1, -2)
     t77 = t76 * t63
     t78 = (t77.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t79 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t78.reshape((L*n_batch, d_V)))).permute(1, 0)
-    t61[...] = oe.contract('abcde,fde->abfc', t74, t26, optimize=[(0, 1)])
-    t75 += oe.contract('a,bc->bca', t43, t79, optimize=[(0, 1)])
+    t79 = (t78.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+    t61[...] = ((t18.reshape((d_V, L*n_batch)) @ t74.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
+    t75 += (t79.reshape((d_V**2, 1)) * t43.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = t80.view((d_V, d_K, d_V, d_K))
     t82 = (t72.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t83 = ((t82.reshape((n_batch, L, d_V**2, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t81[...] = oe.contract('abc,defbc->defa', t30, t83, optimize=[(0, 1)])
+    t81[...] = (t83.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
     t84 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t85 = t84.view((d_V, d_K, d_V, d_V))
     t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t87 = ((G.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t88 = (t86.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t89 = ((t88.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t87 = (t86.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t88 = ((t87.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t89 = ((G.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
-    t91 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t92 = (t91.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t49.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t93 = (t92.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t90.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t94 = ((t93.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t95 = ((t47.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t85[...] = oe.contract('abcd,efcd->eafb', t87, t89, optimize=[(0, 1)])
-    t85 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
+    t91 = ((t47.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t93 = (t92.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t50.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t94 = (t93.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t90.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t95 = ((t94.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t85[...] = ((t88.reshape((d_V**2, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t85 += ((t91.reshape((d_K*d_V, L*n_batch)) @ t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t97 = t96.view((d_V, d_V, d_V, d_K))
     t98 = T.transpose(-1, -2)
     t99 = t63 * t98
-    t100 = (t18.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t101 = (t100.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t102 = ((t101.reshape((n_batch, L, d_V, d_K, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t103 = (t99.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t104 = ((t103.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t100 = (t99.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t101 = ((t100.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t102 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t104 = ((t103.reshape((n_batch, L, d_V, d_K, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t105 = G.transpose(-1, -2)
-    t106 = ((t88.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t106 = ((t87.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t107 = ((X.reshape((n_batch, L, d_V, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t97[...] = oe.contract('abcd,efcd->eafb', t102, t104, optimize=[(0, 1)])
-    t97 += oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t97[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t97 += ((t106.reshape((d_K*d_V, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t109 = t108.view((d_V, d_V, d_V, d_K))
-    t110 = ((t103.reshape((n_batch, L, d_V, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t111 = (t100.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t110 = ((t100.reshape((n_batch, L, d_V, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t111 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t112 = ((t111.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t113 = ((t29.reshape((n_batch, L, d_K, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t109[...] = oe.contract('abcd,efcd->aefb', t110, t112, optimize=[(0, 1)])
-    t109 += oe.contract('abcd,efcd->eafb', t113, t89, optimize=[(0, 1)])
+    t109[...] = ((t110.reshape((d_K*d_V, L*n_batch)) @ t112.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t109 += ((t88.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t115 = t114.view((d_V, d_V, d_V, d_V))
     t116 = t47.transpose(-1, -2)
     t117 = (1/(L*n_batch)) * t116
     t118 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t119 = ((t47.reshape((n_batch, L, d_V, 1)) * t117.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t115[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t115[...] = ((t118.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -12867,7 +12839,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13045,19 +13017,19 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t23 = ((t22.permute(0, 3, 1, 2) @ t15.permute(0, 2, 1).reshape((n_batch, d_K, L, 1))).reshape((n_batch, d_K, L))).permute(1, 0, 2)
-    t24 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t17 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(3, 0, 1, 2) @ t15.permute(2, 0, 1).reshape((d_K, n_batch, L, 1))).reshape((d_K, n_batch, L))
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -13084,7 +13056,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -13123,20 +13095,20 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t18 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t21 = (t20.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t22 = (t21.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t25 = X.permute(2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t17 = X.permute(2, 0, 1)
+    t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
+    t0[...] = ((t17.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
     return out
 
 
@@ -13163,7 +13135,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13209,7 +13181,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13235,9 +13207,9 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = ((t34.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abc,defbc->defa', t17, t25, optimize=[(0, 1)])
-    t26 += oe.contract('a,bc->bca', t36, t37, optimize=[(0, 1)])
+    t37 = (t34.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t0[...] = (t25.reshape((d_K*d_V**2, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
+    t26 += (t37.permute(1, 0).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13276,7 +13248,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t22.reshape((d_V, d_V, 1)) * A21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t22.reshape((d_V, d_V, 1)) * A21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))
     t23 = X @ W_Q
     t24 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t25 = (t23 @ t4)
@@ -13327,16 +13299,16 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t16.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t20 = (t19.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t21 = ((t20.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
-    t22 = t14.permute(2, 0, 1)
+    t16 = t14.permute(2, 0, 1)
+    t17 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+    t22 = ((t21.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
     F = t11
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -13348,8 +13320,8 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (t28.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcde,fde->abfc', t21, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t22.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+    t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -13376,7 +13348,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t8 @ X
     t14 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13442,7 +13414,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
@@ -13452,8 +13424,8 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t27 = ((t26.permute(0, 3, 1, 2) @ X.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))).permute(1, 0, 2)
-    t0[...] = oe.contract('abc,dbc->da', t20, t27, optimize=[(0, 1)])
+    t27 = (t26.permute(3, 0, 1, 2) @ X.permute(2, 0, 1).reshape((d_V, n_batch, L, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t27.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K)))
     return out
 
 
@@ -13484,7 +13456,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13526,19 +13498,19 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t28 = ((t27.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t29 = X.permute(2, 0, 1)
+    t21 = X.permute(2, 0, 1)
+    t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t26 = (t25.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t27 = (t26.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t28 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
+    t29 = ((t28.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
     t30 = t0.diagonal(0, 1, 3)
     t31 = Y.sum(-1, keepdim=True)
     t32 = t31.expand(*t31.shape[:-1], d_V)
@@ -13555,9 +13527,9 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
     t43 = (t40.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t44 = ((X.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t43.reshape((L*n_batch, d_V)))).permute(1, 0)
-    t0[...] = oe.contract('abcde,fde->abfc', t28, t29, optimize=[(0, 1)])
-    t30 += oe.contract('a,bc->bca', t42, t44, optimize=[(0, 1)])
+    t44 = (t43.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+    t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t29.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
+    t30 += (t44.reshape((d_V**2, 1)) * t42.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13605,7 +13577,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t32 = t9.transpose(-1, -2)
     t33 = t4.transpose(-1, -2)
     t34 = (t32.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13657,7 +13629,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.permute(2, 0, 1)
@@ -13669,7 +13641,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = ((t27.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t0[...] = oe.contract('abc,defbc->defa', t20, t28, optimize=[(0, 1)])
+    t0[...] = (t28.reshape((d_K*d_V**2, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
     return out
 
 
@@ -13700,7 +13672,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13752,9 +13724,9 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t21 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t22 = ((t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t22 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t23 = Y.transpose(-1, -2)
     t24 = t23.sum(-2, keepdim=True)
     t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
@@ -13762,17 +13734,17 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
     t29 = t12 @ X
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t31 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t32 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t33 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t31.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t34 = (t33.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t35 = ((t34.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t36 = ((t29.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t31 = ((t29.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t32 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t34 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t32.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t35 = (t34.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t36 = ((t35.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t31.reshape((d_K*d_V, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -13820,7 +13792,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t32 = t11 @ X
     t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t32.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13870,11 +13842,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
-    t19 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t18 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
+    t19 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
+    t0[...] = (t18.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -13904,7 +13876,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -13938,16 +13910,16 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13.transpose(-1, -2)
     t18 = t4.transpose(-1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t20 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t21 = (t20.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t22 = (t21.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
-    t23 = ((t22.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
-    t24 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t25 = ((t24.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t20 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t21 = ((t20.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t22 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
+    t25 = ((t24.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     F = t14
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -13960,8 +13932,8 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t34 = ((t33.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t0 += ((t34.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -13991,7 +13963,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t12.transpose(-1, -2)
     t17 = t3.transpose(-1, -2)
     t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14056,7 +14028,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
@@ -14075,11 +14047,11 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = G.transpose(-1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = ((t18.reshape((n_batch, L, d_K, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t35 = ((t34.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t25, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t35, optimize=[(0, 1)])
+    t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t34 = ((t33.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t35 = ((t18.reshape((n_batch, L, d_K, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -14109,7 +14081,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t12.transpose(-1, -2)
     t17 = X @ W_Q
     t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14174,11 +14146,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -14208,7 +14180,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14242,7 +14214,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14288,7 +14260,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14354,7 +14326,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -14422,7 +14394,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14495,7 +14467,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14544,7 +14516,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -14612,7 +14584,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
@@ -14681,7 +14653,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -14750,7 +14722,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))

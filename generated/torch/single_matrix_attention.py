@@ -82,7 +82,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -92,21 +92,21 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t11 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t12 = ((t11.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t13 = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t1[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t14 = H[0:d_V**2, d_V**2:2*d_V**2]
     t15 = t14.view((d_V, d_V, d_V, d_V))
     t16 = A @ X
     M_1 = t16
     t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t15[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t15[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t20 = t19.view((d_V, d_V, d_V, d_V))
     t21 = M_1.transpose(-1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (t8 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t20[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t25[...] = 0
     t26 = t25.view((d_V, d_V, d_V, d_V))
@@ -114,8 +114,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t28 = t21 @ M_1
     t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t30 = (2/(L*d_V*n_batch)) * t29
-    t31 = t28.sum((0,))
-    t27 += oe.contract('a,bc->bca', t30, t31, optimize=[(0, 1)])
+    t27 += (t28.sum((0,)).reshape((d_V**2, 1)) * t30.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -162,7 +161,7 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -216,17 +215,17 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (2/(L*d_V*n_batch)) * X
-    t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t11 = ((t10.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t12 = (X * t9).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t10 = (X * t9).permute(2, 0, 1)
+    t11 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t12 = (t11.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t10.reshape((d_V, L*n_batch)) @ t12.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -242,7 +241,7 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -268,7 +267,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -278,7 +277,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t11 = ((t10.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t12 = ((X.reshape((n_batch, L, d_V, 1)) * t9.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -294,7 +293,7 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -325,7 +324,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -334,7 +333,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    t0[...] = ((t9.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -350,7 +349,7 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -384,8 +383,7 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).permute(1, 0)
     return out
 
 
@@ -424,14 +422,14 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t7.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t11 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12 = (t7 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -451,7 +449,7 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -485,8 +483,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
+    t1 += (t8.sum((0,)).reshape((d_V**2, 1)) * t10.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -536,32 +533,32 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t2
     t18 = M_3.permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t20 = H[0:d_V**2, d_V**2:2*d_V**2]
     t21 = t20.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * X
-    t24 = ((G.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = M_2.permute(3, 2, 0, 1)
-    t21[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t24 = M_2.permute(3, 2, 0, 1)
+    t25 = ((G.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t27 = t26.view((d_V, d_V, d_V, d_V))
     t28 = G.transpose(-1, -2)
     t29 = (1/n_batch) * t28
     t30 = M_2.permute(2, 3, 0, 1)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27[...] = oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t27[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t32[...] = 0
     return H
@@ -631,7 +628,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
     t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -641,7 +638,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t20 = (n_batch**(-2)) * (t19 * t16.permute(0, 2, 3, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t15
     t24 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -683,14 +680,14 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
     t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t18 = (X * t16.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t0[...] = (t18.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -718,7 +715,7 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
     t14 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -752,14 +749,14 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
     t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = M_3.permute(2, 3, 0, 1)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -787,7 +784,7 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
     t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -813,7 +810,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -825,9 +822,9 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * X
-    t12 = ((G.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t13 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    t12 = M_2.permute(3, 2, 0, 1)
+    t13 = ((G.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -843,7 +840,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -903,14 +900,14 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = G.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (1/n_batch) * t9
     t13 = M_2.permute(2, 3, 0, 1)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -934,7 +931,7 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = G.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -980,7 +977,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1002,41 +999,41 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t2
     t24 = M_3.permute(2, 3, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t26 = t12.reshape(*t12.shape[:2], -1)
-    t27 = t24.reshape(*t24.shape[:2], -1)
-    t28 = torch.cat([t26, t27], dim=-1)
-    t29 = t13.reshape(*t13.shape[:2], -1)
-    t30 = t25.reshape(*t25.shape[:2], -1)
-    t31 = torch.cat([t29, t30], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t28, t31, optimize=[(0, 1)])
+    t26 = t12.reshape((d_V**2, L*n_batch))
+    t27 = t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t28 = t24.reshape((d_V**2, L*n_batch))
+    t29 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t30 = torch.cat([t26, t28], dim=-1)
+    t31 = torch.cat([t27, t29], dim=-2)
+    t1[...] = ((t30 @ t31).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t32 = H[0:d_V**2, d_V**2:2*d_V**2]
     t33 = t32.view((d_V, d_V, d_V, d_V))
     t34 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t35 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t36 = (1/n_batch) * X
-    t37 = ((G.reshape((n_batch, L, d_V, 1)) * t36.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t38 = M_2.permute(3, 2, 0, 1)
-    t33[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t37 = M_2.permute(3, 2, 0, 1)
+    t38 = ((G.reshape((n_batch, L, d_V, 1)) * t36.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33[...] = ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t33 += ((t37.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t40 = t39.view((d_V, d_V, d_V, d_V))
     t41 = M_1.transpose(-1, -2)
     t42 = (2/(L*d_V*n_batch)) * t41
-    t43 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t44 = ((X.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t43 = ((X.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t44 = (t8 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t45 = G.transpose(-1, -2)
     t46 = (1/n_batch) * t45
     t47 = M_2.permute(2, 3, 0, 1)
     t48 = ((X.reshape((n_batch, L, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t40[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t40[...] = ((t43.reshape((d_V**2, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t40 += ((t47.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t49[...] = 0
     t50 = t49.view((d_V, d_V, d_V, d_V))
@@ -1044,8 +1041,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t52 = t41 @ M_1
     t53 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t54 = (2/(L*d_V*n_batch)) * t53
-    t55 = t52.sum((0,))
-    t51 += oe.contract('a,bc->bca', t54, t55, optimize=[(0, 1)])
+    t51 += (t52.sum((0,)).reshape((d_V**2, 1)) * t54.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -1109,7 +1105,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1133,7 +1129,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1204,16 +1200,16 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (2/(L*d_V*n_batch)) * X
-    t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t11 = ((t10.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t12 = (X * t9).permute(2, 0, 1)
+    t10 = (X * t9).permute(2, 0, 1)
+    t11 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t12 = (t11.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
@@ -1226,15 +1222,15 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t24 = (X * t22.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t0[...] = (t10.reshape((d_V, L*n_batch)) @ t12.permute(1, 2, 0).reshape((L*n_batch, d_V)))
+    t0 += (t24.reshape((d_V, L*n_batch)) @ t23.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -1250,7 +1246,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1271,7 +1267,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1293,7 +1289,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1315,20 +1311,20 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = M_3.permute(2, 3, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = t11.reshape(*t11.shape[:2], -1)
-    t26 = t23.reshape(*t23.shape[:2], -1)
-    t27 = torch.cat([t25, t26], dim=-1)
-    t28 = t12.reshape(*t12.shape[:2], -1)
-    t29 = t24.reshape(*t24.shape[:2], -1)
-    t30 = torch.cat([t28, t29], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t27, t30, optimize=[(0, 1)])
+    t25 = t11.reshape((d_V**2, L*n_batch))
+    t26 = t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t27 = t23.reshape((d_V**2, L*n_batch))
+    t28 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t29 = torch.cat([t25, t27], dim=-1)
+    t30 = torch.cat([t26, t28], dim=-2)
+    t0[...] = ((t29 @ t30).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -1344,7 +1340,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1368,7 +1364,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1398,7 +1394,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1413,10 +1409,10 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/n_batch) * X
-    t15 = ((G.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t16 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t15 = M_2.permute(3, 2, 0, 1)
+    t16 = ((G.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t9.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1432,7 +1428,7 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1483,8 +1479,7 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
-    t10 = oe.contract('abb->b', t7)
-    t0[...] = oe.contract('a,b->ba', t9, t10, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t9, t7)).permute(1, 0)
     return out
 
 
@@ -1523,13 +1518,13 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t7.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12 = (t7 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t13 = M_1 @ W_V
     F = t13
     t14 = F - Y
@@ -1539,8 +1534,8 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t17 = (1/n_batch) * t16
     t18 = M_2.permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -1560,7 +1555,7 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1612,8 +1607,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t11 = t8.sum((0,))
-    t1 += oe.contract('a,bc->bca', t10, t11, optimize=[(0, 1)])
+    t1 += (t8.sum((0,)).reshape((d_V**2, 1)) * t10.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -1648,7 +1642,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1673,7 +1667,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = t9 * t25
     t27 = (t25.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1705,7 +1699,7 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1759,7 +1753,7 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1838,7 +1832,7 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
     t12 = (t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += ((t12.reshape((n_batch, L, d_V**2, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
+    t2 += (t11.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -1863,7 +1857,7 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
     t12 = (t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += ((t12.reshape((n_batch, L, d_V**2, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
+    t2 += (t11.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 
@@ -1972,7 +1966,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1982,21 +1976,21 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t13 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t14 = ((t13.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t1[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t16 = H[0:d_V**2, d_V**2:2*d_V**2]
     t17 = t16.view((d_V, d_V, d_V, d_V))
     t18 = A @ X
     M_1 = t18
     t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t17[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t22 = t21.view((d_V, d_V, d_V, d_V))
     t23 = M_1.transpose(-1, -2)
     t24 = (2/(L*d_V*n_batch)) * t23
-    t25 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t22[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t27[...] = 0
     t28 = t27.view((d_V, d_V, d_V, d_V))
@@ -2004,8 +1998,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t30 = t23 @ M_1
     t31 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t32 = (2/(L*d_V*n_batch)) * t31
-    t33 = t30.sum((0,))
-    t29 += oe.contract('a,bc->bca', t32, t33, optimize=[(0, 1)])
+    t29 += (t30.sum((0,)).reshape((d_V**2, 1)) * t32.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -2056,7 +2049,7 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2112,17 +2105,17 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_V*n_batch)) * X
-    t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t13 = ((t12.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t14 = (X * t11).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t12 = (X * t11).permute(2, 0, 1)
+    t13 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t14 = (t13.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t12.reshape((d_V, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -2140,7 +2133,7 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2168,7 +2161,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2178,7 +2171,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t13 = ((t12.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -2196,7 +2189,7 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2229,7 +2222,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2238,7 +2231,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -2256,7 +2249,7 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2292,8 +2285,7 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9)
-    t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t11, t9)).permute(1, 0)
     return out
 
 
@@ -2336,14 +2328,14 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (t9 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2365,7 +2357,7 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2401,8 +2393,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = t10.sum((0,))
-    t1 += oe.contract('a,bc->bca', t12, t13, optimize=[(0, 1)])
+    t1 += (t10.sum((0,)).reshape((d_V**2, 1)) * t12.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -2456,32 +2447,32 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t2
     t20 = M_3.permute(2, 3, 0, 1)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t1[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t22 = H[0:d_V**2, d_V**2:2*d_V**2]
     t23 = t22.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * X
-    t26 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = M_2.permute(3, 2, 0, 1)
-    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t26 = M_2.permute(3, 2, 0, 1)
+    t27 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = t28.view((d_V, d_V, d_V, d_V))
     t30 = G.transpose(-1, -2)
     t31 = (1/n_batch) * t30
     t32 = M_2.permute(2, 3, 0, 1)
     t33 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t29[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t34[...] = 0
     return H
@@ -2555,7 +2546,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2565,7 +2556,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t22 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum()
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t24 * t17
     t26 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -2609,14 +2600,14 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t20 = (X * t18.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t0[...] = (t20.reshape((d_V, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -2646,7 +2637,7 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2682,14 +2673,14 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = M_3.permute(2, 3, 0, 1)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -2719,7 +2710,7 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2747,7 +2738,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2759,9 +2750,9 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = (1/n_batch) * X
-    t14 = ((G.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t15 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t14 = M_2.permute(3, 2, 0, 1)
+    t15 = ((G.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2779,7 +2770,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2841,14 +2832,14 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t14 = (1/n_batch) * t11
     t15 = M_2.permute(2, 3, 0, 1)
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t14.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -2874,7 +2865,7 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2922,7 +2913,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2944,41 +2935,41 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * t2
     t26 = M_3.permute(2, 3, 0, 1)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t28 = t14.reshape(*t14.shape[:2], -1)
-    t29 = t26.reshape(*t26.shape[:2], -1)
-    t30 = torch.cat([t28, t29], dim=-1)
-    t31 = t15.reshape(*t15.shape[:2], -1)
-    t32 = t27.reshape(*t27.shape[:2], -1)
-    t33 = torch.cat([t31, t32], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t30, t33, optimize=[(0, 1)])
+    t28 = t14.reshape((d_V**2, L*n_batch))
+    t29 = t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t30 = t26.reshape((d_V**2, L*n_batch))
+    t31 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t32 = torch.cat([t28, t30], dim=-1)
+    t33 = torch.cat([t29, t31], dim=-2)
+    t1[...] = ((t32 @ t33).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t34 = H[0:d_V**2, d_V**2:2*d_V**2]
     t35 = t34.view((d_V, d_V, d_V, d_V))
     t36 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
     t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t38 = (1/n_batch) * X
-    t39 = ((G.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t40 = M_2.permute(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t39 = M_2.permute(3, 2, 0, 1)
+    t40 = ((G.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t35 += ((t39.reshape((d_V**2, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t42 = t41.view((d_V, d_V, d_V, d_V))
     t43 = M_1.transpose(-1, -2)
     t44 = (2/(L*d_V*n_batch)) * t43
-    t45 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t47 = G.transpose(-1, -2)
     t48 = (1/n_batch) * t47
     t49 = M_2.permute(2, 3, 0, 1)
     t50 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t42[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t42 += ((t49.reshape((d_V**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t51[...] = 0
     t52 = t51.view((d_V, d_V, d_V, d_V))
@@ -2986,8 +2977,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t54 = t43 @ M_1
     t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t56 = (2/(L*d_V*n_batch)) * t55
-    t57 = t54.sum((0,))
-    t53 += oe.contract('a,bc->bca', t56, t57, optimize=[(0, 1)])
+    t53 += (t54.sum((0,)).reshape((d_V**2, 1)) * t56.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return H
 
 
@@ -3055,7 +3045,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3079,7 +3069,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3152,16 +3142,16 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_V*n_batch)) * X
-    t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t13 = ((t12.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, 1, d_V)) @ M_2.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t14 = (X * t11).permute(2, 0, 1)
+    t12 = (X * t11).permute(2, 0, 1)
+    t13 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t14 = (t13.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, 1, d_V)) @ M_2.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -3174,15 +3164,15 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t26 = (X * t24.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
+    t0[...] = (t12.reshape((d_V, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_V)))
+    t0 += (t26.reshape((d_V, L*n_batch)) @ t25.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -3200,7 +3190,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3221,7 +3211,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3245,7 +3235,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3267,20 +3257,20 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = M_3.permute(2, 3, 0, 1)
     t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = t13.reshape(*t13.shape[:2], -1)
-    t28 = t25.reshape(*t25.shape[:2], -1)
-    t29 = torch.cat([t27, t28], dim=-1)
-    t30 = t14.reshape(*t14.shape[:2], -1)
-    t31 = t26.reshape(*t26.shape[:2], -1)
-    t32 = torch.cat([t30, t31], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t29, t32, optimize=[(0, 1)])
+    t27 = t13.reshape((d_V**2, L*n_batch))
+    t28 = t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t29 = t25.reshape((d_V**2, L*n_batch))
+    t30 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t31 = torch.cat([t27, t29], dim=-1)
+    t32 = torch.cat([t28, t30], dim=-2)
+    t0[...] = ((t31 @ t32).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -3298,7 +3288,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3322,7 +3312,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3354,7 +3344,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3369,10 +3359,10 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t15 = (2/(L*d_V)) * t14
     G = t15
     t16 = (1/n_batch) * X
-    t17 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t18 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = M_2.permute(3, 2, 0, 1)
+    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3390,7 +3380,7 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3443,8 +3433,7 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t11 = (2/(L*d_V*n_batch)) * t10
-    t12 = oe.contract('abb->b', t9)
-    t0[...] = oe.contract('a,b->ba', t11, t12, optimize=[(0, 1)])
+    t0[...] = (oe.contract('a,bcc->ac', t11, t9)).permute(1, 0)
     return out
 
 
@@ -3487,13 +3476,13 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = ((M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (t9 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t15 = M_1 @ W_V
     F = t15
     t16 = F - Y
@@ -3503,8 +3492,8 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t19 = (1/n_batch) * t18
     t20 = M_2.permute(2, 3, 0, 1)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -3526,7 +3515,7 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3580,8 +3569,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t13 = t10.sum((0,))
-    t1 += oe.contract('a,bc->bca', t12, t13, optimize=[(0, 1)])
+    t1 += (t10.sum((0,)).reshape((d_V**2, 1)) * t12.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -3620,7 +3608,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3645,7 +3633,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t11 * t27
     t29 = (t27.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3679,7 +3667,7 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3735,7 +3723,7 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3818,7 +3806,7 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
     t14 = (t12.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += ((t14.reshape((n_batch, L, d_V**2, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
+    t2 += (t13.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t14.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -3845,7 +3833,7 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
     t14 = (t12.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += ((t14.reshape((n_batch, L, d_V**2, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 4, 3, 2)
+    t2 += (t13.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t14.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 
@@ -3958,7 +3946,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3971,7 +3959,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -3980,24 +3968,24 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).permute(3, 2, 0, 1)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t1[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t24 = H[0:d_V**2, d_V**2:2*d_V**2]
     t25 = t24.view((d_V, d_V, d_V, d_V))
     t26 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t27 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t25[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = t28.view((d_V, d_V, d_V, d_V))
     t30 = M_1.transpose(-1, -2)
     t31 = (1/(L*n_batch)) * t30
-    t32 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t33 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t29[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t35 = t34.view((d_V, d_V, d_V, d_V))
     t36 = ((dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t35[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -4053,7 +4041,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4063,7 +4051,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -4120,7 +4108,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4133,16 +4121,16 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
-    t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
-    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t21 = ((t20.reshape((n_batch, L, d_V, 1, d_V)) @ t19.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t22 = (X * t16).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t17 = (X * t16).permute(2, 0, 1)
+    t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t19 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
+    t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t20.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t22.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -4158,7 +4146,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4171,7 +4159,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -4196,7 +4184,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4209,7 +4197,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -4218,7 +4206,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).permute(3, 2, 0, 1)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -4234,7 +4222,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4244,7 +4232,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -4280,7 +4268,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4293,13 +4281,13 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = ((t17.permute(0, 1, 3, 2) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -4315,7 +4303,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4325,7 +4313,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -4362,11 +4350,11 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
-    t15 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t14 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
+    t15 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
+    t0[...] = (t14.reshape((d_V, L*n_batch)) @ t15.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -4390,7 +4378,7 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -4418,20 +4406,20 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA15.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(L*n_batch)) * t6
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t20 = ((t19 @ t18.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t21 = ((t20 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4455,11 +4443,11 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -4496,11 +4484,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -4524,7 +4512,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4567,32 +4555,32 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t2
     t23 = M_3.permute(2, 3, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t25 = H[0:d_V**2, d_V**2:2*d_V**2]
     t26 = t25.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/n_batch) * X
-    t29 = ((G.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t30 = M_2.permute(3, 2, 0, 1)
-    t26[...] = oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t29 = M_2.permute(3, 2, 0, 1)
+    t30 = ((G.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t32 = t31.view((d_V, d_V, d_V, d_V))
     t33 = G.transpose(-1, -2)
     t34 = (1/n_batch) * t33
     t35 = M_2.permute(2, 3, 0, 1)
     t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t32[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t32[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37[...] = 0
     return H
@@ -4672,7 +4660,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4682,7 +4670,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t25 = (n_batch**(-2)) * (t24 * t21.permute(0, 2, 3, 1)).sum()
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t27 * t20
     t29 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -4729,14 +4717,14 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t23 = (X * t21.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t0[...] = (t23.reshape((d_V, L*n_batch)) @ t22.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -4769,7 +4757,7 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4808,14 +4796,14 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = M_3.permute(2, 3, 0, 1)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -4848,7 +4836,7 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4874,7 +4862,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4891,9 +4879,9 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/n_batch) * X
-    t17 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t18 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t17 = M_2.permute(3, 2, 0, 1)
+    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -4909,7 +4897,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4979,14 +4967,14 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -5015,7 +5003,7 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5061,7 +5049,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5074,7 +5062,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -5095,29 +5083,29 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t34 = (1/n_batch) * t2
     t35 = M_3.permute(2, 3, 0, 1)
     t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37 = t22.reshape(*t22.shape[:2], -1)
-    t38 = t35.reshape(*t35.shape[:2], -1)
-    t39 = torch.cat([t37, t38], dim=-1)
-    t40 = t23.reshape(*t23.shape[:2], -1)
-    t41 = t36.reshape(*t36.shape[:2], -1)
-    t42 = torch.cat([t40, t41], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t39, t42, optimize=[(0, 1)])
+    t37 = t22.reshape((d_V**2, L*n_batch))
+    t38 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t39 = t35.reshape((d_V**2, L*n_batch))
+    t40 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t41 = torch.cat([t37, t39], dim=-1)
+    t42 = torch.cat([t38, t40], dim=-2)
+    t1[...] = ((t41 @ t42).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t43 = H[0:d_V**2, d_V**2:2*d_V**2]
     t44 = t43.view((d_V, d_V, d_V, d_V))
     t45 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t46 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t47 = (1/n_batch) * X
-    t48 = ((G.reshape((n_batch, L, d_V, 1)) * t47.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t49 = M_2.permute(3, 2, 0, 1)
-    t44[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t44 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t48 = M_2.permute(3, 2, 0, 1)
+    t49 = ((G.reshape((n_batch, L, d_V, 1)) * t47.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t44[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t44 += ((t48.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t51 = t50.view((d_V, d_V, d_V, d_V))
     t52 = G.transpose(-1, -2)
@@ -5126,15 +5114,15 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t55 = ((X.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t56 = M_1.transpose(-1, -2)
     t57 = (1/(L*n_batch)) * t56
-    t58 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t59 = ((X.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t51[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
-    t51 += oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t58 = ((X.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t59 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t51[...] = ((t54.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t51 += ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t61 = t60.view((d_V, d_V, d_V, d_V))
     t62 = ((dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t61[...] = ((t62.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -5208,7 +5196,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5218,7 +5206,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -5247,7 +5235,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5318,7 +5306,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5331,15 +5319,15 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
-    t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
-    t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t21 = ((t20.reshape((n_batch, L, d_V, 1, d_V)) @ t19.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t22 = (X * t16).permute(2, 0, 1)
+    t17 = (X * t16).permute(2, 0, 1)
+    t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t19 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
+    t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t20.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
     F = t10
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -5352,15 +5340,15 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t35 = (X * t33.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
+    t0[...] = (t17.reshape((d_V, L*n_batch)) @ t22.permute(1, 2, 0).reshape((L*n_batch, d_V)))
+    t0 += (t35.reshape((d_V, L*n_batch)) @ t34.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -5376,7 +5364,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5389,7 +5377,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -5409,7 +5397,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
     t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5431,7 +5419,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5444,7 +5432,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -5465,20 +5453,20 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = M_3.permute(2, 3, 0, 1)
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t36 = t21.reshape(*t21.shape[:2], -1)
-    t37 = t34.reshape(*t34.shape[:2], -1)
-    t38 = torch.cat([t36, t37], dim=-1)
-    t39 = t22.reshape(*t22.shape[:2], -1)
-    t40 = t35.reshape(*t35.shape[:2], -1)
-    t41 = torch.cat([t39, t40], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t38, t41, optimize=[(0, 1)])
+    t36 = t21.reshape((d_V**2, L*n_batch))
+    t37 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t38 = t34.reshape((d_V**2, L*n_batch))
+    t39 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t40 = torch.cat([t36, t38], dim=-1)
+    t41 = torch.cat([t37, t39], dim=-2)
+    t0[...] = ((t40 @ t41).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -5494,7 +5482,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5504,7 +5492,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -5533,7 +5521,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5563,7 +5551,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5576,7 +5564,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -5590,10 +5578,10 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t24 = (1/L) * t23
     G = t24
     t25 = (1/n_batch) * X
-    t26 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t26 = M_2.permute(3, 2, 0, 1)
+    t27 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5609,7 +5597,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5619,7 +5607,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -5676,11 +5664,11 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
-    t15 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t14 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
+    t15 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
+    t0[...] = (t14.reshape((d_V, L*n_batch)) @ t15.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -5704,7 +5692,7 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -5737,7 +5725,7 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5749,15 +5737,15 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA24 = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
     t25 = W_V.transpose(-1, -2)
     t26 = (1/(L*n_batch)) * t20
-    t27 = (dA24.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t28 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t29 = ((t28 @ t27.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = (dA24.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t30 = ((t29 @ t28.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t27.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5786,7 +5774,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5799,7 +5787,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
     t27 = W_V.transpose(-1, -2)
     t28 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t29 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5841,11 +5829,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -5869,7 +5857,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5892,7 +5880,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5902,7 +5890,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -5932,7 +5920,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t4.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = t16 * t39
     t41 = (t39.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5964,7 +5952,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5974,7 +5962,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -6034,11 +6022,11 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -6099,7 +6087,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6187,7 +6175,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6200,7 +6188,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -6209,24 +6197,24 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).permute(3, 2, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t1[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t26 = H[0:d_V**2, d_V**2:2*d_V**2]
     t27 = t26.view((d_V, d_V, d_V, d_V))
     t28 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t29 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t27[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t31 = t30.view((d_V, d_V, d_V, d_V))
     t32 = M_1.transpose(-1, -2)
     t33 = (1/(L*n_batch)) * t32
-    t34 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t31[...] = oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t34 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t31[...] = ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37 = t36.view((d_V, d_V, d_V, d_V))
     t38 = ((dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t39 = ((M_1.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37[...] = oe.contract('abcd,efcd->eafb', t38, t39, optimize=[(0, 1)])
+    t37[...] = ((t38.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -6286,7 +6274,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6296,7 +6284,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -6355,7 +6343,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6368,16 +6356,16 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
-    t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
-    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t23 = ((t22.reshape((n_batch, L, d_V, 1, d_V)) @ t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t24 = (X * t18).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t19 = (X * t18).permute(2, 0, 1)
+    t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t21 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
+    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t22.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
+    t0[...] = (t19.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -6395,7 +6383,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6408,7 +6396,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -6435,7 +6423,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6448,7 +6436,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -6457,7 +6445,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).permute(3, 2, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -6475,7 +6463,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6485,7 +6473,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -6523,7 +6511,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6536,13 +6524,13 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -6560,7 +6548,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6570,7 +6558,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -6609,11 +6597,11 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
-    t17 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t0[...] = (t16.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -6639,7 +6627,7 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -6669,20 +6657,20 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA17.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(L*n_batch)) * t8
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t22 = ((t21 @ t20.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = ((t22 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6708,11 +6696,11 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -6751,11 +6739,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -6781,7 +6769,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6826,32 +6814,32 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t2
     t25 = M_3.permute(2, 3, 0, 1)
     t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t1[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t27 = H[0:d_V**2, d_V**2:2*d_V**2]
     t28 = t27.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/n_batch) * X
-    t31 = ((G.reshape((n_batch, L, d_V, 1)) * t30.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t32 = M_2.permute(3, 2, 0, 1)
-    t28[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t31 = M_2.permute(3, 2, 0, 1)
+    t32 = ((G.reshape((n_batch, L, d_V, 1)) * t30.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28[...] = ((t31.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t33 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t34 = t33.view((d_V, d_V, d_V, d_V))
     t35 = G.transpose(-1, -2)
     t36 = (1/n_batch) * t35
     t37 = M_2.permute(2, 3, 0, 1)
     t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t34[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t39[...] = 0
     return H
@@ -6935,7 +6923,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -6945,7 +6933,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
     t28 = torch.sqrt(torch.clamp(t27, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = t29 * t22
     t31 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -6994,14 +6982,14 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t25 = (X * t23.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
+    t0[...] = (t25.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -7036,7 +7024,7 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7077,14 +7065,14 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = M_3.permute(2, 3, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -7119,7 +7107,7 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -7147,7 +7135,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7164,9 +7152,9 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t17 = (1/L) * t16
     G = t17
     t18 = (1/n_batch) * X
-    t19 = ((G.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t19 = M_2.permute(3, 2, 0, 1)
+    t20 = ((G.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7184,7 +7172,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7256,14 +7244,14 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.permute(2, 3, 0, 1)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
     return out
 
 
@@ -7294,7 +7282,7 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7342,7 +7330,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7355,7 +7343,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -7376,29 +7364,29 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t8.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t36 = (1/n_batch) * t2
     t37 = M_3.permute(2, 3, 0, 1)
     t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t39 = t24.reshape(*t24.shape[:2], -1)
-    t40 = t37.reshape(*t37.shape[:2], -1)
-    t41 = torch.cat([t39, t40], dim=-1)
-    t42 = t25.reshape(*t25.shape[:2], -1)
-    t43 = t38.reshape(*t38.shape[:2], -1)
-    t44 = torch.cat([t42, t43], dim=-1)
-    t1[...] = oe.contract('abg,efg->eafb', t41, t44, optimize=[(0, 1)])
+    t39 = t24.reshape((d_V**2, L*n_batch))
+    t40 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t41 = t37.reshape((d_V**2, L*n_batch))
+    t42 = t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t43 = torch.cat([t39, t41], dim=-1)
+    t44 = torch.cat([t40, t42], dim=-2)
+    t1[...] = ((t43 @ t44).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     t45 = H[0:d_V**2, d_V**2:2*d_V**2]
     t46 = t45.view((d_V, d_V, d_V, d_V))
     t47 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t48 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t49 = (1/n_batch) * X
-    t50 = ((G.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t51 = M_2.permute(3, 2, 0, 1)
-    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
-    t46 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t50 = M_2.permute(3, 2, 0, 1)
+    t51 = ((G.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t46 += ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t53 = t52.view((d_V, d_V, d_V, d_V))
     t54 = G.transpose(-1, -2)
@@ -7407,15 +7395,15 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t57 = ((X.reshape((n_batch, L, d_V, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t58 = M_1.transpose(-1, -2)
     t59 = (1/(L*n_batch)) * t58
-    t60 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t61 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t53[...] = oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
-    t53 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t61 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t53[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t53 += ((t60.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t63 = t62.view((d_V, d_V, d_V, d_V))
     t64 = ((dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t65 = ((M_1.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t63[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return H
 
 
@@ -7493,7 +7481,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7503,7 +7491,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -7532,7 +7520,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -7605,7 +7593,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7618,15 +7606,15 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
-    t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
-    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t23 = ((t22.reshape((n_batch, L, d_V, 1, d_V)) @ t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))).permute(2, 0, 1)
-    t24 = (X * t18).permute(2, 0, 1)
+    t19 = (X * t18).permute(2, 0, 1)
+    t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t21 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
+    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t22.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
     F = t12
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -7639,15 +7627,15 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = (oe.contract('abcc->abc', M_3)).permute(2, 0, 1)
     t37 = (X * t35.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
+    t0[...] = (t19.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_V)))
+    t0 += (t37.reshape((d_V, L*n_batch)) @ t36.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -7665,7 +7653,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7678,7 +7666,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -7698,7 +7686,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7722,7 +7710,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7735,7 +7723,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -7756,20 +7744,20 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = M_3.permute(2, 3, 0, 1)
     t37 = ((X.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t38 = t23.reshape(*t23.shape[:2], -1)
-    t39 = t36.reshape(*t36.shape[:2], -1)
-    t40 = torch.cat([t38, t39], dim=-1)
-    t41 = t24.reshape(*t24.shape[:2], -1)
-    t42 = t37.reshape(*t37.shape[:2], -1)
-    t43 = torch.cat([t41, t42], dim=-1)
-    t0[...] = oe.contract('abg,efg->eafb', t40, t43, optimize=[(0, 1)])
+    t38 = t23.reshape((d_V**2, L*n_batch))
+    t39 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t40 = t36.reshape((d_V**2, L*n_batch))
+    t41 = t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t42 = torch.cat([t38, t40], dim=-1)
+    t43 = torch.cat([t39, t41], dim=-2)
+    t0[...] = ((t42 @ t43).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -7787,7 +7775,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7797,7 +7785,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -7826,7 +7814,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -7858,7 +7846,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7871,7 +7859,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -7885,10 +7873,10 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t26 = (1/L) * t25
     G = t26
     t27 = (1/n_batch) * X
-    t28 = ((G.reshape((n_batch, L, d_V, 1)) * t27.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29 = M_2.permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t28 = M_2.permute(3, 2, 0, 1)
+    t29 = ((G.reshape((n_batch, L, d_V, 1)) * t27.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t28.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7906,7 +7894,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7916,7 +7904,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -7975,11 +7963,11 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
-    t17 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t16 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
+    t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
+    t0[...] = (t16.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
 
@@ -8005,7 +7993,7 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -8040,7 +8028,7 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8052,15 +8040,15 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
     t27 = W_V.transpose(-1, -2)
     t28 = (1/(L*n_batch)) * t22
-    t29 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t30 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t31 = ((t30 @ t29.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t31 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t32 = ((t31 @ t30.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t29.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8091,7 +8079,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8104,7 +8092,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdim=True)
     t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
     t29 = W_V.transpose(-1, -2)
     t30 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t31 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8148,11 +8136,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
     t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -8178,7 +8166,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8203,7 +8191,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -8213,7 +8201,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -8243,7 +8231,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2) - ((t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    d2A = ((t6.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
     t41 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t42 = t18 * t41
     t43 = (t41.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -8277,7 +8265,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -8287,7 +8275,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -8349,11 +8337,11 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - ((A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))).permute(0, 1, 3, 2)
+    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -8416,7 +8404,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - ((A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))).permute(0, 1, 3, 2)
+    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))

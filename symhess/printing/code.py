@@ -231,7 +231,7 @@ class Routine:
         if self.is_batched[name]:
             labels = [side_labels] + labels
         if (len(sizes) != stored or len(sizes) != len(natural)
-                or any(sp.expand(a - b) != 0 for a, b in zip(sizes, natural))):
+                or not all(_same_size(a, b) for a, b in zip(sizes, natural))):
             dims = ([-1] if self.is_batched[name] else []) + sizes
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
@@ -399,25 +399,36 @@ class Routine:
         (x, lx), (y, ly) = taken
         x, lx = self._sum_out(x, lx, keep | set(ly))
         y, ly = self._sum_out(y, ly, keep | set(lx))
+        if out is None:               # an inner step: its natural order (shared, then free)
+            out = [a for a in lx if a in ly and a in keep] + \
+                [a for a in lx if a not in ly] + [a for a in ly if a not in lx]
+        return self.product(x, lx, y, ly, list(out)), list(out)
+
+    def product(self, x, lx, y, ly, out):
+        """Σ over the labels both operands carry and ``out`` lacks, with the result laid out
+        in ``out``'s order: one broadcast matmul (P…, M, K) @ (P…, K, N) when ``out`` splits
+        as P + M + N (M free labels of one operand, N of the other, the rest in P), so no
+        strided transpose follows a block-sized product; else the natural order, permuted."""
         both = [a for a in lx if a in ly]
-        bat = [a for a in both if a in keep]
-        con = [a for a in both if a not in keep]
-        if out is not None and not bat and _suffix([a for a in ly if a not in lx], out) > \
-                _suffix([a for a in lx if a not in ly], out):
-            (x, lx), (y, ly) = (y, ly), (x, lx)          # the result then ends as ``out`` does
-        m = [a for a in lx if a not in ly]
-        n = [a for a in ly if a not in lx]
-        if not m and not n:
+        con = [a for a in both if a not in out]
+        if all(a in both for a in out):
             if not con:                                   # a Hadamard product
-                return f"{x} * {self._permuted(y, ly, lx)}", lx
-            if not bat:                                   # a full inner product
-                return f"({x} * {self._permuted(y, ly, lx)}).sum()", []
-        xm = self._grouped(x, lx, bat, [m, con])
-        ym = self._grouped(y, ly, bat, [con, n])
+                return self._arrange_out(f"{x} * {self._permuted(y, ly, lx)}", lx, out)
+            if not out:                                   # a full inner product
+                return f"({x} * {self._permuted(y, ly, lx)}).sum()"
+        swap, pre, m, n = _arrangement(lx, ly, out)
+        if swap:
+            (x, lx), (y, ly) = (y, ly), (x, lx)
+        xm = self._grouped(x, lx, pre, [m, con])
+        ym = self._grouped(y, ly, pre, [con, n])
         code = f"({xm} @ {ym})" if con else f"({xm} * {ym})"     # no sum: a broadcast product
+        return self._finish(code, pre, m, n, out)
+
+    def _finish(self, code, pre, m, n, out):
+        """A (P…, M, N) product result reshaped to its labels and permuted to ``out``."""
         if len(m) != 1 or len(n) != 1:
-            code = self.fmt("reshape", code, self.shape([self._dim(a) for a in bat + m + n]))
-        return code, bat + m + n
+            code = self.fmt("reshape", code, self.shape([self._dim(a) for a in pre + m + n]))
+        return self._arrange_out(code, pre + m + n, out)
 
     def _dim(self, lab):
         return N_BATCH if isinstance(lab, tuple) else self.lw.labels.size[lab]
@@ -435,17 +446,19 @@ class Routine:
             return x
         return self.fmt("permute", x, ", ".join(str(lx.index(a)) for a in order))
 
-    def _grouped(self, x, lx, bat, groups):
-        """``x`` permuted to (bat…, group₀…, group₁…) and each group merged into one axis."""
-        order = bat + groups[0] + groups[1]
-        x = self._permuted(x, lx, order)
-        if all(len(g) == 1 for g in groups):
+    def _grouped(self, x, lx, pre, groups):
+        """``x`` permuted to (pre…, group₀…, group₁…), each group merged into one axis and a
+        unit axis for each label of ``pre`` that ``x`` lacks (broadcast by the product)."""
+        own = [a for a in pre if a in lx]
+        x = self._permuted(x, lx, own + groups[0] + groups[1])
+        if len(own) == len(pre) and all(len(g) == 1 for g in groups):
             return x
-        dims = [self._dim(a) for a in bat] + [_prod(self._dim(a) for a in g) for g in groups]
+        dims = [self._dim(a) if a in lx else 1 for a in pre] + \
+            [_prod(self._dim(a) for a in g) for g in groups]
         return self.fmt("reshape", x, self.shape(dims))
 
     def _arrange_out(self, code, lab, out):
-        if lab == list(out):
+        if list(lab) == list(out):
             return code
         return self._permuted(code if code.isidentifier() else f"({code})", lab, list(out))
 
@@ -472,24 +485,18 @@ class Routine:
             shared = [a for a in dict.fromkeys(lab for i in h for lab in labs[i])
                       if a in outside and a not in out]
             frees.append([a for a in out if a in inside] + shared)
-        if set(frees[0]) & set(frees[1]) & set(out):
-            return None                       # a Hadamard-like last step: no GEMM
-        best = None
-        for left, right in ((0, 1), (1, 0)):
-            natural = [a for a in frees[left] + frees[right] if a in out]
-            run = _suffix(natural, list(out))
-            if best is None or run > best[0]:
-                best = (run, left, right)
+        if not (set(frees[0]) & set(frees[1])) - set(out):
+            return None                       # nothing summed in the last step: no GEMM
         names = []
-        for k in (best[2], best[1]):          # opt_einsum pops the second operand first
+        for k in (0, 1):
             h = halves[k]
             if len(h) == 1 and list(labs[h[0]]) == frees[k]:
                 names.append(ops[h[0]])
             else:
                 names.append(self.emit(self.contract([ops[i] for i in h], [labs[i] for i in h],
                                                      frees[k]), False))
-        fspec = _spec([frees[best[2]], frees[best[1]]], out)
-        final = Final(fspec, names[0], names[1])
+        x, y = (names[0], frees[0]), (names[1], frees[1])
+        final = Final(self.product(*x, *y, list(out)), x, y, list(out))
         # stacking halves of several terms copies them: worth it only for small halves
         final.small = STACK_RATIO * sum(_prod(self._label_size(a) for a in f) for f in frees) \
             <= _prod(self._label_size(a) for a in out)
@@ -570,13 +577,21 @@ class Routine:
             first = False
 
     def _stacked(self, finals):
-        """One product for Σ_t L_t R_t: halves merged to (free…, K_t), concatenated along K."""
-        spec, nl, nr = finals[0].stack_key()
-        halves = []
-        for side, nfree in ((0, nl), (1, nr)):
-            parts = [self.emit(self.fmt("merge_last", f.ops[side], nfree), False) for f in finals]
-            halves.append(self.emit(self.fmt("concat_last", ", ".join(parts)), False))
-        return f"oe.contract({spec!r}, {halves[0]}, {halves[1]}, optimize=[(0, 1)])"
+        """One product for Σ_t L_t R_t: each term's halves arranged as (P…, M, K_t) and
+        (P…, K_t, N), concatenated along K (the terms share P, M, N: same ``stack_key``)."""
+        xs, ys = [], []
+        for f in finals:
+            (x, lx), (y, ly) = f.halves
+            swap, pre, m, n = _arrangement(lx, ly, f.out)
+            if swap:
+                (x, lx), (y, ly) = (y, ly), (x, lx)
+            xs.append(self.emit(self._grouped(x, lx, pre, [m, f.summed]), False))
+            ys.append(self.emit(self._grouped(y, ly, pre, [f.summed, n]), False))
+        big_x = self.emit(self.fmt("concat_last", ", ".join(xs)), False)
+        big_y = self.emit(self.fmt("concat_rows", ", ".join(ys)), False)
+        f = finals[0]
+        _, pre, m, n = _arrangement(*(h[1] for h in f.halves), f.out)
+        return self._finish(f"({big_x} @ {big_y})", pre, m, n, f.out)
 
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
@@ -588,29 +603,29 @@ class Routine:
 STACK_RATIO = 8
 
 
+# the contracted axis of stacked halves, in a stacking key
+STACKED = "stacked"
+
+
 class Final(str):
-    """The code of a last pairwise product ``oe.contract(spec, left, right)``, with its parts."""
+    """The code of a last pairwise product of two halves ((name, labels) each), with them."""
 
     small = False
 
-    def __new__(cls, spec, left, right):
-        obj = super().__new__(cls, f"oe.contract({spec!r}, {left}, {right}, optimize=[(0, 1)])")
-        obj.spec, obj.ops = spec, (left, right)
+    def __new__(cls, code, left, right, out):
+        obj = super().__new__(cls, code)
+        obj.halves, obj.out = (left, right), list(out)
+        obj.summed = [a for a in left[1] if a in right[1] and a not in out]
         return obj
 
     def stack_key(self):
-        """(spec with the contracted indices merged into one, #free of each half) when both
-        halves end with the same contracted indices (so they merge by a reshape); else None."""
-        ins, out = self.spec.split("->")
-        a, b = ins.split(",")
-        summed = [x for x in a if x in b and x not in out]
-        k = len(summed)
-        if not k or set(a) & set(b) & set(out) or a[len(a) - k:] != b[len(b) - k:] or \
-                set(a[len(a) - k:]) != set(summed) or len(set(a)) < len(a) or len(set(b)) < len(b):
+        """The arrangement (P, M, N, output order) of the product as a canonical string;
+        terms of a block with equal keys are written by one product of stacked halves."""
+        (_, la), (_, lb) = self.halves
+        if not self.summed or len(set(la)) < len(la) or len(set(lb)) < len(lb):
             return None
-        z = next(oe.get_symbol(i) for i in range(200) if oe.get_symbol(i) not in self.spec)
-        fa, fb = a[:len(a) - k], b[:len(b) - k]
-        return (f"{fa}{z},{fb}{z}->{out}", len(fa), len(fb))
+        swap, pre, m, n = _arrangement(la, lb, self.out)
+        return _spec([pre + m + [STACKED], pre + [STACKED] + n], self.out)
 
 
 def _compact_label(node):
@@ -626,6 +641,42 @@ def _spec(labs, out):
             symbols[lab] = oe.get_symbol(len(symbols))
     spec = ",".join("".join(symbols[a] for a in ls) for ls in labs)
     return spec + "->" + "".join(symbols[a] for a in out)
+
+
+def _out_split(lx, ly, out):
+    """(swap, P, M, N) with out = P + M + N, P the labels both operands keep, M ⊆ free labels of
+    one operand (the other's when ``swap``), N ⊆ the other's; the shortest P wins. None when
+    there is none."""
+    best = None
+    for swap, (la, lb) in enumerate(((lx, ly), (ly, lx))):
+        fa = [a for a in la if a not in lb]
+        fb = [a for a in lb if a not in la]
+        for s in range(len(out) + 1):
+            if best is not None and s >= len(best[1]):
+                break
+            t = len(out)
+            while t > s and out[t - 1] in fb:
+                t -= 1
+            m, n, pre = out[s:t], out[t:], out[:s]
+            if all(a in fa for a in m) and all(a in pre for a in fa + fb if a not in m + n):
+                best = (bool(swap), pre, m, n)
+                break
+    if best is None:
+        return None
+    _, pre, m, n = best
+    if any(a not in lx or a not in ly for a in pre):
+        return None       # a broadcast prefix: torch's matmul would copy the operand per entry
+    return best
+
+
+def _arrangement(lx, ly, out):
+    """(swap, P, M, N) of a product: ``_out_split`` when the result can lie in ``out``'s
+    order, else the natural order (shared labels, then each operand's free labels)."""
+    split = _out_split(lx, ly, out)
+    if split is None:
+        split = (False, [a for a in lx if a in ly and a in out], [a for a in lx if a not in ly],
+                 [a for a in ly if a not in lx])
+    return split
 
 
 def _last_halves(n, path):
@@ -714,6 +765,11 @@ def _prod(xs):
     for x in xs:
         out *= x
     return out
+
+
+@lru_cache(maxsize=None)
+def _same_size(a, b):
+    return sp.expand(sp.sympify(a) - sp.sympify(b)) == 0
 
 
 @lru_cache(maxsize=None)

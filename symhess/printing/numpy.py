@@ -28,6 +28,7 @@ NUMPY = {
     "norm": "np.linalg.norm({0})",
     "concat": "np.concatenate({0})",
     "concat_last": "np.concatenate([{0}], axis=-1)",
+    "concat_rows": "np.concatenate([{0}], axis=-2)",
     "merge_last": "np.reshape({0}, {0}.shape[:{1}] + (-1,))",
     "diag_view_einsum": "np.einsum({0}, {1})",
     "fn": {"sigmoid": "scipy.special.expit({0})", "exp": "np.exp({0})", "log": "np.log({0})",

@@ -27,6 +27,7 @@ TORCH = {
     "norm": "torch.linalg.norm({0})",
     "concat": "torch.cat({0})",
     "concat_last": "torch.cat([{0}], dim=-1)",
+    "concat_rows": "torch.cat([{0}], dim=-2)",
     "merge_last": "{0}.reshape(*{0}.shape[:{1}], -1)",
     "fn": {"sigmoid": "torch.sigmoid({0})", "exp": "torch.exp({0})", "log": "torch.log({0})",
            "tanh": "torch.tanh({0})", "sqrt": "torch.sqrt({0})", "cosh": "torch.cosh({0})",
